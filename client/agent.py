@@ -1,0 +1,91 @@
+"""The edge agent: a long-lived gRPC server (protos/fedforge/v1/edge.proto) around `FactoryTrainer`.
+
+SuperNode spawns a fresh ClientApp process for every message; the agent is what stays warm (data in
+memory, models built, torch threads set) so that a round costs training time, not start-up time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent import futures
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from client.config import AgentConfig
+from client.trainer import FactoryTrainer
+from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
+from common.tensors import UpdateError, from_tensors, to_tensors
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 1 << 30
+GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+
+
+def _config(struct: Any) -> dict[str, Any]:
+    return json_format.MessageToDict(struct) if struct is not None else {}
+
+
+class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
+    """Maps RPCs to the trainer; one training job at a time, errors as gRPC status codes."""
+
+    def __init__(self, trainer: FactoryTrainer) -> None:
+        self.trainer = trainer
+        self._lock = threading.Lock()
+
+    def Train(self, request: edge_pb2.TrainRequest, context: grpc.ServicerContext) -> edge_pb2.TrainReply:
+        with self._lock, _status_on_error(context, "train"):
+            weights, n, metrics = self.trainer.train(from_tensors(request.weights), _config(request.config), request.server_round)
+            log.info("round %d: trained on %d examples, loss %.4f", request.server_round, n, metrics["train-loss"])
+            return edge_pb2.TrainReply(factory_id=self.trainer.cfg.factory_id, weights=to_tensors(weights), num_examples=n, metrics=metrics)
+        return edge_pb2.TrainReply()  # unreachable: context.abort raised
+
+    def Evaluate(self, request: edge_pb2.EvaluateRequest, context: grpc.ServicerContext) -> edge_pb2.EvaluateReply:
+        with self._lock, _status_on_error(context, "evaluate"):
+            n, metrics = self.trainer.evaluate(from_tensors(request.weights), _config(request.config))
+            return edge_pb2.EvaluateReply(factory_id=self.trainer.cfg.factory_id, num_examples=n, metrics=metrics)
+        return edge_pb2.EvaluateReply()
+
+    def Health(self, request: edge_pb2.HealthRequest, context: grpc.ServicerContext) -> edge_pb2.HealthReply:
+        t = self.trainer
+        return edge_pb2.HealthReply(
+            factory_id=t.cfg.factory_id, status="serving", num_examples=len(t.train_data), data_source=t.cfg.data,
+            uptime_seconds=time.time() - t.started, pid=os.getpid(), skipped_files=[p for p, _ in t.report.skipped],
+        )
+
+
+class _status_on_error:
+    """Turn exceptions into gRPC status codes that name the problem (never a bare INTERNAL crash)."""
+
+    def __init__(self, context: grpc.ServicerContext, what: str) -> None:
+        self.context, self.what = context, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, _tb: object) -> bool:
+        if exc is None:
+            return False
+        if isinstance(exc, UpdateError):
+            log.warning("%s refused: %s", self.what, exc)
+            self.context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        log.exception("%s failed", self.what)
+        self.context.abort(grpc.StatusCode.INTERNAL, f"{self.what} failed: {type(exc).__name__}: {exc}")
+        return False
+
+
+def serve(cfg: AgentConfig) -> grpc.Server:
+    """Load the factory's data and start serving on ``cfg.listen``; returns the running server."""
+    trainer = FactoryTrainer(cfg)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
+    edge_pb2_grpc.add_EdgeAgentServicer_to_server(EdgeAgentServicer(trainer), server)
+    if server.add_insecure_port(cfg.listen) == 0 and not cfg.listen.startswith("unix:"):
+        raise RuntimeError(f"edge agent could not listen on {cfg.listen}")
+    server.start()
+    log.info("edge agent for factory %s serving on %s", cfg.factory_id, cfg.listen)
+    return server

@@ -1,0 +1,100 @@
+"""FedForge ClientApp: thin by design. It imports no torch and forwards each message to the agent.
+
+SuperNode starts this in a fresh process per message, so anything heavy here is paid every round.
+With ``agent-address`` in the node config (``--node-config "agent-address='127.0.0.1:50061'"``) the
+message goes over local gRPC to the warm edge agent; without it, the same servicer runs in-process
+(simulation, tests), built once per process from the node config.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import grpc
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from google.protobuf import struct_pb2
+
+from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
+from common.tensors import from_tensors, to_tensors
+
+app = ClientApp()
+
+_GRPC_OPTIONS = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)]
+_in_process: Any = None
+
+
+class AgentUnavailable(RuntimeError):
+    """The factory's edge agent did not answer; the server counts this factory as failed."""
+
+
+def _agent(context: Context) -> Any:
+    """A stub for the configured agent, or the in-process servicer (same methods) when none is set."""
+    address = str(context.node_config.get("agent-address", ""))
+    if address:
+        return edge_pb2_grpc.EdgeAgentStub(grpc.insecure_channel(address, options=_GRPC_OPTIONS))
+    global _in_process
+    if _in_process is None:
+        from client.agent import EdgeAgentServicer  # torch is only imported on this path
+        from client.config import AgentConfig
+        from client.trainer import FactoryTrainer
+
+        fields = {k.replace("-", "_"): v for k, v in context.node_config.items()}
+        _in_process = _InProcess(EdgeAgentServicer(FactoryTrainer(AgentConfig(**fields))))
+    return _in_process
+
+
+class _InProcess:
+    """Calls the servicer directly with the same request messages a remote agent would get."""
+
+    def __init__(self, servicer: Any) -> None:
+        self.servicer = servicer
+
+    def __getattr__(self, rpc: str) -> Any:
+        method = getattr(self.servicer, rpc)
+        return lambda request, timeout=None: method(request, _RaisingContext())
+
+
+class _RaisingContext:
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise RuntimeError(f"{code.name}: {details}")
+
+
+def _request_parts(msg: Message) -> tuple[list[edge_pb2.Tensor], struct_pb2.Struct, int]:
+    arrays = msg.content["arrays"]
+    weights = OrderedDict((name, arr.numpy()) for name, arr in arrays.items())
+    config = dict(msg.content["config"]) if "config" in msg.content else {}
+    struct = struct_pb2.Struct()
+    struct.update(config)
+    return to_tensors(weights), struct, int(config.get("server-round", 0))
+
+
+def _call(context: Context, rpc: str, request: Any) -> Any:
+    timeout = float(context.run_config.get("agent-timeout", 600.0))
+    try:
+        return getattr(_agent(context), rpc)(request, timeout=timeout)
+    except grpc.RpcError as err:
+        address = context.node_config.get("agent-address", "")
+        raise AgentUnavailable(f"edge agent at {address} failed {rpc}: {err.code().name}: {err.details()}") from err
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    tensors, config, server_round = _request_parts(msg)
+    request = edge_pb2.TrainRequest(run_id=str(context.run_id), server_round=server_round, weights=tensors, config=config)
+    reply = _call(context, "Train", request)
+    arrays = ArrayRecord(OrderedDict((name, Array(arr)) for name, arr in from_tensors(reply.weights).items()))
+    metrics = MetricRecord({**dict(reply.metrics), "num-examples": int(reply.num_examples)})
+    content = RecordDict({"arrays": arrays, "metrics": metrics, "info": ConfigRecord({"factory-id": reply.factory_id})})
+    return Message(content=content, reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    tensors, config, server_round = _request_parts(msg)
+    request = edge_pb2.EvaluateRequest(run_id=str(context.run_id), server_round=server_round, weights=tensors, config=config)
+    reply = _call(context, "Evaluate", request)
+    metrics = MetricRecord({**dict(reply.metrics), "num-examples": int(reply.num_examples)})
+    content = RecordDict({"metrics": metrics, "info": ConfigRecord({"factory-id": reply.factory_id})})
+    return Message(content=content, reply_to=msg)

@@ -1,0 +1,98 @@
+"""``fedforge client`` (one factory: edge agent + SuperNode) and ``fedforge agent`` (agent only)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import click
+
+from client.config import AgentConfig
+from common.procs import ProcessSet
+
+log = logging.getLogger("fedforge.client")
+
+
+def agent_options(f):  # type: ignore[no-untyped-def]
+    options = [
+        click.option("--factory-id", required=True, help="This factory's name, as the server and dashboard show it."),
+        click.option("--agent-listen", default="127.0.0.1:50061", help="Where the edge agent serves gRPC (host:port or unix:/path)."),
+        click.option("--data", default="synthetic", help="'synthetic' or an image folder with one sub-folder per class."),
+        click.option("--factory-index", default=0, type=int, help="Synthetic data: which partition this factory holds."),
+        click.option("--num-factories", default=3, type=int, help="Synthetic data: number of partitions."),
+        click.option("--data-seed", default=0, type=int, help="Synthetic data: seed."),
+        click.option("--alpha", default=1.0, type=float, help="Synthetic data: Dirichlet label skew (smaller = more skewed)."),
+        click.option("--train-size", default=600, type=int, help="Synthetic data: images in this factory."),
+        click.option("--torch-threads", default=1, type=int, help="torch intra-op threads for training."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _agent_config(kw: dict) -> AgentConfig:
+    try:
+        return AgentConfig(
+            factory_id=kw["factory_id"], listen=kw["agent_listen"], data=kw["data"], factory_index=kw["factory_index"],
+            num_factories=kw["num_factories"], data_seed=kw["data_seed"], alpha=kw["alpha"], train_size=kw["train_size"],
+            torch_threads=kw["torch_threads"],
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+def _start_agent(cfg: AgentConfig):  # type: ignore[no-untyped-def]
+    from client.agent import serve
+    from common.data.folder import DatasetError
+
+    try:
+        return serve(cfg)
+    except DatasetError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@click.command()
+@agent_options
+def agent(**kw: object) -> None:
+    """Run only the edge agent (the SuperNode is started elsewhere)."""
+    server = _start_agent(_agent_config(kw))
+    try:
+        server.wait_for_termination()
+    except KeyboardInterrupt:
+        server.stop(grace=2).wait()
+
+
+@click.command()
+@agent_options
+@click.option("--superlink", default="127.0.0.1:8000", help="The central SuperLink's address.")
+@click.option("--supernode-port", default=9094, type=int, help="Local port of this SuperNode's runtime API (one per host).")
+@click.option("--workdir", default="fedforge-factory", type=click.Path(file_okay=False), help="Logs of the SuperNode.")
+@click.option("--insecure/--tls", default=True, help="Plain HTTP to the SuperLink (loopback demos only).")
+@click.option("--root-certificates", default=None, type=click.Path(dir_okay=False, exists=True), help="CA certificate for TLS to the SuperLink.")
+def client(superlink: str, supernode_port: int, workdir: str, insecure: bool, root_certificates: str | None, **kw: object) -> None:
+    """Run one factory: the warm edge agent plus a Flower SuperNode that forwards to it."""
+    cfg = _agent_config(kw)
+    server = _start_agent(cfg)
+    node_config = f"factory-id='{cfg.factory_id}' agent-address='{cfg.listen}'"
+    cmd = [shutil.which("flower-supernode") or "flower-supernode", "--superlink", superlink, "--port", str(supernode_port), "--node-config", node_config]
+    cmd += ["--insecure"] if insecure else (["--root-certificates", root_certificates] if root_certificates else [])
+    stop = threading.Event()
+    with ProcessSet(Path(workdir) / "logs") as procs:
+        try:
+            restarts = 0
+            while not stop.is_set():
+                proc = procs.start("supernode", cmd, env={"FLWR_TELEMETRY_ENABLED": "0"})
+                log.info("factory %s: SuperNode pid %d dialling %s", cfg.factory_id, proc.pid, superlink)
+                while proc.poll() is None:
+                    time.sleep(0.5)
+                restarts += 1
+                log.warning("factory %s: SuperNode exited with %s; restart %d in %ds", cfg.factory_id, proc.returncode, restarts, min(30, 2**restarts))
+                procs.procs.remove(("supernode", proc))
+                time.sleep(min(30, 2**restarts))
+        except KeyboardInterrupt:
+            log.info("factory %s: stopping", cfg.factory_id)
+        finally:
+            server.stop(grace=2).wait()

@@ -1,0 +1,107 @@
+"""What a factory does with a global model: train it on local data, evaluate it, report metrics.
+
+This is the library the edge agent serves over gRPC and that the ClientApp calls in-process when no
+agent is configured (simulation, unit tests). Data is loaded once, in the constructor.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+
+from client.config import AgentConfig
+from common.data import datasets
+from common.data.datasets import ImageDataset
+from common.data.folder import FolderReport, load_image_folder
+from common.models import build_model
+from common.tensors import UpdateError, check_like
+from common.training import TrainConfig, evaluate, set_torch_threads, train
+
+log = logging.getLogger(__name__)
+
+
+def load_factory_data(cfg: AgentConfig) -> tuple[ImageDataset, FolderReport]:
+    if cfg.data == "synthetic":
+        spec = datasets.SyntheticSpec(
+            seed=cfg.data_seed, num_factories=cfg.num_factories, alpha=cfg.alpha, train_size=cfg.train_size, image_size=cfg.image_size
+        )
+        data = datasets.factory_dataset(spec, cfg.factory_index)
+        return data, FolderReport(loaded=len(data))
+    return load_image_folder(cfg.data, size=cfg.image_size)
+
+
+def split_validation(data: ImageDataset, fraction: float, seed: int) -> tuple[ImageDataset, ImageDataset]:
+    order = np.random.default_rng(seed).permutation(len(data))
+    n_val = int(round(len(data) * fraction))
+    val, tr = order[:n_val], order[n_val:]
+    return (
+        ImageDataset(data.images[tr], data.labels[tr], data.classes),
+        ImageDataset(data.images[val], data.labels[val], data.classes),
+    )
+
+
+def train_config_from(config: dict[str, Any], server_round: int) -> TrainConfig:
+    """The server's training options; unknown keys are ignored, bad values raise naming the key."""
+    try:
+        return TrainConfig(
+            epochs=int(config.get("local-epochs", 2)),
+            batch_size=int(config.get("batch-size", 16)),
+            lr=float(config.get("lr", 1e-3)),
+            optimizer=str(config.get("optimizer", "adamw")),
+            weight_decay=float(config.get("weight-decay", 1e-4)),
+            grad_clip=float(config.get("grad-clip", 5.0)),
+            augment=bool(config.get("augment", False)),
+            seed=int(config.get("seed", 0)) * 100_003 + server_round,
+        )
+    except (TypeError, ValueError) as exc:
+        raise UpdateError(f"invalid training config from the server: {exc}") from exc
+
+
+class FactoryTrainer:
+    """One factory's warm state: its data, and a model instance per architecture."""
+
+    def __init__(self, cfg: AgentConfig) -> None:
+        set_torch_threads(cfg.torch_threads)
+        self.cfg = cfg
+        self.started = time.time()
+        data, self.report = load_factory_data(cfg)
+        self.train_data, self.val_data = split_validation(data, cfg.val_fraction, seed=cfg.data_seed)
+        self._models: dict[str, torch.nn.Module] = {}
+        log.info("factory %s: %d training and %d validation images from %s", cfg.factory_id, len(self.train_data), len(self.val_data), cfg.data)
+
+    def _model_with(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any]) -> torch.nn.Module:
+        architecture = str(config.get("architecture", "cnn-small"))
+        model = self._models.get(architecture)
+        if model is None:
+            try:
+                model = build_model(architecture, num_classes=len(self.train_data.classes))
+            except ValueError as exc:
+                raise UpdateError(str(exc)) from exc
+            self._models[architecture] = model
+        reference = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+        check_like(reference, weights, source="global model from the server")
+        model.load_state_dict({k: torch.from_numpy(np.asarray(v, dtype=reference[k].dtype)) for k, v in weights.items()})
+        return model
+
+    def train(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any], server_round: int) -> tuple[OrderedDict[str, np.ndarray], int, dict[str, float]]:
+        model = self._model_with(weights, config)
+        before = evaluate(model, self.val_data) if len(self.val_data) else None
+        t0 = time.perf_counter()
+        result = train(model, self.train_data, train_config_from(config, server_round))
+        seconds = time.perf_counter() - t0
+        new = OrderedDict((k, v.detach().numpy().copy()) for k, v in model.state_dict().items())
+        check_like(weights, new, source=f"factory {self.cfg.factory_id} local training")
+        metrics = {"train-loss": result.loss, "train-accuracy": result.accuracy, "train-seconds": seconds, "steps": float(result.steps)}
+        if before is not None:
+            metrics |= {"val-accuracy-before": before.accuracy, "val-loss-before": before.loss}
+        return new, result.examples, metrics
+
+    def evaluate(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any]) -> tuple[int, dict[str, float]]:
+        model = self._model_with(weights, config)
+        result = evaluate(model, self.val_data)
+        return result.examples, {"val-accuracy": result.accuracy, "val-loss": result.loss}

@@ -1,0 +1,107 @@
+"""Starting and stopping the processes FedForge is made of (SuperLink, SuperNodes, agents).
+
+Every child runs in its own session so that stopping it also stops whatever it spawned (a
+SuperNode's ClientApp processes, a SuperLink's ServerApp). `ProcessSet` stops all of its children
+on exit, on exceptions and on SIGINT/SIGTERM, so no process outlives the command that started it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    """Block until something accepts TCP connections on host:port (or raise naming the address)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process {proc.args[0] if isinstance(proc.args, list) else proc.args} exited with {proc.returncode} before listening on {host}:{port}")
+        with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+            s.settimeout(0.5)
+            if s.connect_ex((host, port)) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"nothing listening on {host}:{port} after {timeout:.0f}s")
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM the process's group, then SIGKILL it if it has not exited within ``timeout``."""
+    if proc.poll() is not None:
+        _kill_group(proc.pid, signal.SIGKILL)  # reap grandchildren the child left behind
+        return
+    _kill_group(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        log.warning("pid %d did not stop within %.0fs; killing it", proc.pid, timeout)
+    _kill_group(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(5)
+
+
+def _kill_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+class ProcessSet:
+    """Children started through `start`, all stopped (in reverse order) by `stop_all`."""
+
+    def __init__(self, log_dir: Path | None = None) -> None:
+        self.log_dir = log_dir
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self._old_handlers: dict[int, object] = {}
+
+    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.Popen:
+        stdout = subprocess.DEVNULL
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            stdout = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        log.debug("starting %s: %s", name, " ".join(cmd))
+        proc = subprocess.Popen(
+            cmd, stdout=stdout, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True,
+        )
+        if stdout is not subprocess.DEVNULL:
+            stdout.close()
+        self.procs.append((name, proc))
+        return proc
+
+    def stop_all(self) -> None:
+        for name, proc in reversed(self.procs):
+            log.debug("stopping %s (pid %d)", name, proc.pid)
+            stop_process(proc)
+        self.procs.clear()
+
+    def dead(self) -> list[tuple[str, int]]:
+        return [(name, proc.returncode) for name, proc in self.procs if proc.poll() is not None]
+
+    def __enter__(self) -> ProcessSet:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.stop_all()
+        finally:
+            for sig, handler in self._old_handlers.items():
+                signal.signal(sig, handler)  # type: ignore[arg-type]
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"received signal {signum}")

@@ -1,0 +1,102 @@
+from google.protobuf import struct_pb2 as _struct_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class TrainRequest(_message.Message):
+    __slots__ = ("run_id", "server_round", "weights", "config")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    server_round: int
+    weights: _containers.RepeatedCompositeFieldContainer[Tensor]
+    config: _struct_pb2.Struct
+    def __init__(self, run_id: _Optional[str] = ..., server_round: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+
+class TrainReply(_message.Message):
+    __slots__ = ("factory_id", "weights", "num_examples", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    FACTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    factory_id: str
+    weights: _containers.RepeatedCompositeFieldContainer[Tensor]
+    num_examples: int
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, factory_id: _Optional[str] = ..., weights: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., num_examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class EvaluateRequest(_message.Message):
+    __slots__ = ("run_id", "server_round", "weights", "config")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    server_round: int
+    weights: _containers.RepeatedCompositeFieldContainer[Tensor]
+    config: _struct_pb2.Struct
+    def __init__(self, run_id: _Optional[str] = ..., server_round: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+
+class EvaluateReply(_message.Message):
+    __slots__ = ("factory_id", "num_examples", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    FACTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    factory_id: str
+    num_examples: int
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, factory_id: _Optional[str] = ..., num_examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthReply(_message.Message):
+    __slots__ = ("factory_id", "status", "num_examples", "data_source", "uptime_seconds", "pid", "skipped_files")
+    FACTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    DATA_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FILES_FIELD_NUMBER: _ClassVar[int]
+    factory_id: str
+    status: str
+    num_examples: int
+    data_source: str
+    uptime_seconds: float
+    pid: int
+    skipped_files: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, factory_id: _Optional[str] = ..., status: _Optional[str] = ..., num_examples: _Optional[int] = ..., data_source: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pid: _Optional[int] = ..., skipped_files: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -1,0 +1,175 @@
+"""``fedforge demo``: a whole federation on this machine, started, run, summarised and stopped.
+
+It starts the same commands an operator runs on real sites (``fedforge server`` and one
+``fedforge client`` per factory, each with its SuperNode and warm edge agent), submits a run with
+``flwr run``, follows the rounds through the registry, and stops every process it started, also on
+Ctrl-C or failure.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import grpc
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from common.procs import ProcessSet, free_port, wait_for_port
+from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
+from server import launch
+from server.registry.service import Registry
+
+log = logging.getLogger("fedforge.demo")
+console = Console(stderr=True)
+
+
+def fedforge_command() -> list[str]:
+    exe = shutil.which("fedforge")
+    return [exe] if exe else [sys.executable, "-m", "common.cli"]
+
+
+def wait_for_agent(address: str, timeout: float, procs: ProcessSet) -> edge_pb2.HealthReply:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = edge_pb2_grpc.EdgeAgentStub(channel)
+        while True:
+            if dead := procs.dead():
+                raise RuntimeError(f"process {dead[0][0]} exited with {dead[0][1]} during start-up (see its log)")
+            try:
+                return stub.Health(edge_pb2.HealthRequest(), timeout=2)
+            except grpc.RpcError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"edge agent at {address} not serving after {timeout:.0f}s") from None
+                time.sleep(0.2)
+
+
+@click.command()
+@click.option("--factories", default=3, type=click.IntRange(1, 64), help="Number of factories (SuperNode + agent each).")
+@click.option("--rounds", default=3, type=click.IntRange(1), help="Server rounds.")
+@click.option("--local-epochs", default=2, type=click.IntRange(0), help="Local epochs per round.")
+@click.option("--seed", default=0, type=int, help="Seed for data and model initialisation.")
+@click.option("--workdir", default="fedforge-demo", type=click.Path(file_okay=False), help="Logs, SuperLink database and registry.")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write a JSON summary here.")
+@click.option("--architecture", default="cnn-small", help="Model architecture (cnn-small, cnn-medium, cnn-large).")
+@click.option("--train-size", default=600, type=click.IntRange(10), help="Synthetic images per factory.")
+@click.option("--alpha", default=1.0, type=float, help="Dirichlet label skew across factories (smaller = more skewed).")
+@click.option("--min-factories", default=None, type=click.IntRange(1), help="Abort a round below this many good updates (default: factories - 1, at least 1).")
+@click.option("--round-timeout", default=300.0, type=float, help="Seconds to wait for factories in a round.")
+@click.option("--lr", default=1e-3, type=float, help="Local learning rate.")
+def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str, json_path: str | None, architecture: str,
+         train_size: int, alpha: float, min_factories: int | None, round_timeout: float, lr: float) -> None:
+    """Run a local demo federation over real Flower processes on 127.0.0.1."""
+    t_start = time.perf_counter()
+    root = Path(workdir).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    registry_dir = root / "registry"
+    port = free_port()
+    superlink = f"127.0.0.1:{port}"
+    ff = fedforge_command()
+    run_config: dict[str, Any] = {
+        "num-server-rounds": rounds, "min-factories": min_factories or max(1, factories - 1), "expected-factories": factories,
+        "round-timeout": round_timeout, "architecture": architecture, "local-epochs": local_epochs, "lr": lr,
+        "seed": seed, "data-seed": seed, "num-factories": factories, "alpha": alpha, "registry-dir": str(registry_dir),
+    }
+    with ProcessSet(root / "logs") as procs:
+        try:
+            console.print(f"[bold]FedForge demo[/]: {factories} factories, {rounds} rounds, workdir {root}")
+            procs.start("central", ff + ["server", "--workdir", str(root / "central"), "--port", str(port)])
+            wait_for_port("127.0.0.1", port, timeout=90, proc=procs.procs[0][1])
+            agents = []
+            for i in range(factories):
+                agent = f"127.0.0.1:{free_port()}"
+                agents.append(agent)
+                procs.start(f"factory-{i}", ff + [
+                    "client", "--factory-id", f"factory-{i}", "--superlink", superlink, "--agent-listen", agent,
+                    "--supernode-port", str(free_port()), "--factory-index", str(i), "--num-factories", str(factories),
+                    "--data-seed", str(seed), "--alpha", str(alpha), "--train-size", str(train_size),
+                    "--workdir", str(root / f"factory-{i}"),
+                ])
+            for i, agent in enumerate(agents):
+                health = wait_for_agent(agent, timeout=180, procs=procs)
+                console.print(f"  factory-{i}: agent pid {health.pid} serving {health.num_examples} images on {agent}")
+            home = launch.flwr_home(root / "central", superlink)
+            flwr_run_id = launch.submit_run(home, run_config)
+            console.print(f"  submitted Flower run {flwr_run_id}; logs in {root / 'logs'}")
+            summary = follow_run(Registry.at(registry_dir), f"run-{flwr_run_id}", rounds, home, flwr_run_id, procs)
+        except KeyboardInterrupt:
+            console.print("[yellow]interrupted; stopping every process[/]")
+            raise SystemExit(130) from None
+        except (RuntimeError, TimeoutError) as exc:
+            console.print(f"[red]demo failed:[/] {exc}")
+            raise SystemExit(1) from None
+    summary["wall_seconds"] = round(time.perf_counter() - t_start, 2)
+    print_summary(summary)
+    if json_path:
+        Path(json_path).write_text(json.dumps(summary, indent=2))
+    if summary["status"] != "finished":
+        raise SystemExit(1)
+
+
+def follow_run(registry: Registry, run_id: str, rounds: int, home: Path, flwr_run_id: str, procs: ProcessSet) -> dict[str, Any]:
+    """Show a progress bar as the registry records rounds; return the summary when the run ends."""
+    last_flwr_check = time.monotonic()
+    with Progress(TextColumn("[bold]round {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.description}"),
+                  TimeElapsedColumn(), console=console) as progress:
+        task = progress.add_task("waiting for the first round", total=rounds)
+        while True:
+            run = registry.get_run(run_id)
+            done = registry.rounds(run_id) if run else []
+            if done:
+                last = done[-1]
+                acc = f"accuracy {last.accuracy:.3f}" if last.accuracy is not None else "aborted"
+                progress.update(task, completed=len(done), description=f"{acc}, {len(last.participants)} factories, {last.seconds:.1f}s")
+            if run is not None and run.status != "running":
+                break
+            if dead := procs.dead():
+                raise RuntimeError(f"process {dead[0][0]} exited with {dead[0][1]} (see its log)")
+            if time.monotonic() - last_flwr_check > 15:
+                last_flwr_check = time.monotonic()
+                status = launch.run_status(home, flwr_run_id)
+                if status.startswith("finished") and (registry.get_run(run_id) is None or registry.get_run(run_id).status == "running"):
+                    raise RuntimeError(f"Flower run {flwr_run_id} ended as {status} before FedForge recorded its end (see logs/central.log and the registry's server.log)")
+            time.sleep(0.25)
+    run = registry.get_run(run_id)
+    versions = registry.versions(run_id)
+    completed = [r for r in done if r.status == "completed"]
+    return {
+        "run_id": run_id,
+        "flwr_run_id": flwr_run_id,
+        "status": run.status,
+        "error": run.error,
+        "rounds": [
+            {"round": r.server_round, "status": r.status, "accuracy": r.accuracy, "loss": r.loss, "participants": r.participants,
+             "failures": r.failures, "seconds": round(r.seconds, 3)}
+            for r in done
+        ],
+        "initial_accuracy": versions[0].metrics.get("accuracy") if versions else None,
+        "final_accuracy": completed[-1].accuracy if completed else None,
+        "versions": [{"id": v.id, "round": v.server_round, "kind": v.kind, "parent": v.parent_id, "sha256": v.sha256} for v in versions],
+        "registry": str(registry.artifacts.root.parent),
+    }
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    table = Table(title=f"FedForge run {summary['run_id']} ({summary['status']})")
+    for col in ("round", "status", "accuracy", "loss", "factories", "failed", "seconds"):
+        table.add_column(col, justify="right" if col not in ("status", "failed") else "left")
+    for r in summary["rounds"]:
+        table.add_row(
+            str(r["round"]), r["status"], f"{r['accuracy']:.4f}" if r["accuracy"] is not None else "-",
+            f"{r['loss']:.4f}" if r["loss"] is not None else "-", str(len(r["participants"])),
+            ", ".join(sorted(r["failures"])) or "-", f"{r['seconds']:.2f}",
+        )
+    console.print(table)
+    console.print(f"final accuracy {summary['final_accuracy']}, {len(summary['versions'])} versions in {summary['registry']}, "
+                  f"wall time {summary['wall_seconds']:.1f}s")
+    if summary["error"]:
+        console.print(f"[red]error:[/] {summary['error']}")

@@ -1,0 +1,74 @@
+"""Registry tables (SQLAlchemy 2 ORM): runs, rounds and model versions with their lineage.
+
+SQLite is the embedded default; any SQLAlchemy URL (PostgreSQL included) selects another backend.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Integer, String, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class Run(Base):
+    """One federation run (one Flower run); ``status`` is running, finished or failed."""
+
+    __tablename__ = "runs"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    flwr_run_id: Mapped[str] = mapped_column(String(64), default="")
+    status: Mapped[str] = mapped_column(String(16), default="running")
+    config: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    error: Mapped[str] = mapped_column(String(2000), default="")
+
+
+class Round(Base):
+    """What happened in one server round, including who failed and why."""
+
+    __tablename__ = "rounds"
+    __table_args__ = (UniqueConstraint("run_id", "server_round"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), index=True)
+    server_round: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))  # completed | aborted
+    accuracy: Mapped[float | None] = mapped_column(Float, nullable=True)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    participants: Mapped[list[Any]] = mapped_column(default=list)
+    failures: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    version_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Version(Base):
+    """A global model version: weights file (by sha256) plus where it came from."""
+
+    __tablename__ = "versions"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    run_id: Mapped[str] = mapped_column(String(64), index=True)
+    server_round: Mapped[int] = mapped_column(Integer)
+    parent_id: Mapped[str | None] = mapped_column(ForeignKey("versions.id"), nullable=True)
+    kind: Mapped[str] = mapped_column(String(16))  # initial | fedavg | distilled
+    architecture: Mapped[str] = mapped_column(String(64))
+    num_parameters: Mapped[int] = mapped_column(Integer)
+    sha256: Mapped[str] = mapped_column(String(64), index=True)
+    size_bytes: Mapped[int] = mapped_column(Integer)
+    metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    participants: Mapped[list[Any]] = mapped_column(default=list)
+    secure_aggregation: Mapped[bool] = mapped_column(Boolean, default=False)
+    privacy: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    code_version: Mapped[str] = mapped_column(String(128), default="")
+    status: Mapped[str] = mapped_column(String(16), default="candidate")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
