@@ -76,7 +76,8 @@ def _call(context: Context, rpc: str, request: Any) -> Any:
         return getattr(_agent(context), rpc)(request, timeout=timeout)
     except grpc.RpcError as err:
         address = context.node_config.get("agent-address", "")
-        raise AgentUnavailable(f"edge agent at {address} failed {rpc}: {err.code().name}: {err.details()}") from err
+        factory = context.node_config.get("factory-id", "?")
+        raise AgentUnavailable(f"factory {factory}: edge agent at {address} failed {rpc}: {err.code().name}: {err.details()}") from err
 
 
 @app.train()

@@ -8,6 +8,7 @@ on exit, on exceptions and on SIGINT/SIGTERM, so no process outlives the command
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -17,6 +18,12 @@ import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Ask Linux to SIGTERM this child when its parent dies, even by SIGKILL (no orphans)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -76,6 +83,7 @@ class ProcessSet:
         proc = subprocess.Popen(
             cmd, stdout=stdout, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True,
+            preexec_fn=_die_with_parent if os.name == "posix" else None,
         )
         if stdout is not subprocess.DEVNULL:
             stdout.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import filecmp
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -49,11 +50,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="only check that common/rpc/ is up to date")
     args = parser.parse_args()
-    if not args.check:
-        generate(OUT)
-        return 0
     with tempfile.TemporaryDirectory() as tmp:
         generate(Path(tmp))
+        if not args.check:
+            shutil.rmtree(OUT, ignore_errors=True)
+            shutil.copytree(tmp, OUT)
+            return 0
         fresh = {p.relative_to(tmp) for p in Path(tmp).rglob("*") if p.is_file()}
         current = {p.relative_to(OUT) for p in OUT.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
         stale = sorted(str(p) for p in fresh | current if p not in fresh or p not in current or not filecmp.cmp(Path(tmp) / p, OUT / p, shallow=False))

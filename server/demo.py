@@ -10,45 +10,22 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import click
-import grpc
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from common.procs import ProcessSet, free_port, wait_for_port
-from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
+from common.procs import ProcessSet
 from server import launch
+from server.local import LocalFederation
 from server.registry.service import Registry
 
 log = logging.getLogger("fedforge.demo")
 console = Console(stderr=True)
-
-
-def fedforge_command() -> list[str]:
-    exe = shutil.which("fedforge")
-    return [exe] if exe else [sys.executable, "-m", "common.cli"]
-
-
-def wait_for_agent(address: str, timeout: float, procs: ProcessSet) -> edge_pb2.HealthReply:
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = edge_pb2_grpc.EdgeAgentStub(channel)
-        while True:
-            if dead := procs.dead():
-                raise RuntimeError(f"process {dead[0][0]} exited with {dead[0][1]} during start-up (see its log)")
-            try:
-                return stub.Health(edge_pb2.HealthRequest(), timeout=2)
-            except grpc.RpcError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"edge agent at {address} not serving after {timeout:.0f}s") from None
-                time.sleep(0.2)
 
 
 @click.command()
@@ -70,37 +47,23 @@ def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str
     t_start = time.perf_counter()
     root = Path(workdir).resolve()
     root.mkdir(parents=True, exist_ok=True)
-    registry_dir = root / "registry"
-    port = free_port()
-    superlink = f"127.0.0.1:{port}"
-    ff = fedforge_command()
     run_config: dict[str, Any] = {
-        "num-server-rounds": rounds, "min-factories": min_factories or max(1, factories - 1), "expected-factories": factories,
         "round-timeout": round_timeout, "architecture": architecture, "local-epochs": local_epochs, "lr": lr,
-        "seed": seed, "data-seed": seed, "num-factories": factories, "alpha": alpha, "registry-dir": str(registry_dir),
+        **({"min-factories": min_factories} if min_factories else {}),
     }
     with ProcessSet(root / "logs") as procs:
+        fed = LocalFederation(root, procs, num_factories=factories, seed=seed, alpha=alpha, train_size=train_size)
         try:
             console.print(f"[bold]FedForge demo[/]: {factories} factories, {rounds} rounds, workdir {root}")
-            procs.start("central", ff + ["server", "--workdir", str(root / "central"), "--port", str(port)])
-            wait_for_port("127.0.0.1", port, timeout=90, proc=procs.procs[0][1])
-            agents = []
+            fed.start_central()
             for i in range(factories):
-                agent = f"127.0.0.1:{free_port()}"
-                agents.append(agent)
-                procs.start(f"factory-{i}", ff + [
-                    "client", "--factory-id", f"factory-{i}", "--superlink", superlink, "--agent-listen", agent,
-                    "--supernode-port", str(free_port()), "--factory-index", str(i), "--num-factories", str(factories),
-                    "--data-seed", str(seed), "--alpha", str(alpha), "--train-size", str(train_size),
-                    "--workdir", str(root / f"factory-{i}"),
-                ])
-            for i, agent in enumerate(agents):
-                health = wait_for_agent(agent, timeout=180, procs=procs)
-                console.print(f"  factory-{i}: agent pid {health.pid} serving {health.num_examples} images on {agent}")
-            home = launch.flwr_home(root / "central", superlink)
-            flwr_run_id = launch.submit_run(home, run_config)
+                fed.start_factory(i)
+            for f in fed.factories:
+                health = fed.wait_for_agent(f.agent_address)
+                console.print(f"  {f.factory_id}: agent pid {health.pid} serving {health.num_examples} images on {f.agent_address}")
+            flwr_run_id = fed.submit(fed.run_config(rounds, **run_config))
             console.print(f"  submitted Flower run {flwr_run_id}; logs in {root / 'logs'}")
-            summary = follow_run(Registry.at(registry_dir), f"run-{flwr_run_id}", rounds, home, flwr_run_id, procs)
+            summary = follow_run(Registry.at(fed.registry_dir), f"run-{flwr_run_id}", rounds, fed.flwr_home(), flwr_run_id, procs)
         except KeyboardInterrupt:
             console.print("[yellow]interrupted; stopping every process[/]")
             raise SystemExit(130) from None

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from sqlalchemy import create_engine, event, select
 from sqlalchemy.engine import Engine
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import sessionmaker
 
 from server.registry.artifacts import ArtifactStore, decode_weights, encode_weights
 from server.registry.schema import Base, Round, Run, Version, utcnow

@@ -1,0 +1,121 @@
+"""A federation on one machine, built from the same commands real sites run.
+
+`LocalFederation` starts ``fedforge server`` and one ``fedforge client`` per factory (or, for fault
+tests, ``fedforge agent`` and ``flower-supernode`` as separate processes), waits until every agent
+serves, and submits runs. ``fedforge demo``, the end-to-end tests and the benchmarks all use it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from common.procs import ProcessSet, free_port, wait_for_port
+from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
+from server import launch
+
+
+def fedforge_command() -> list[str]:
+    exe = shutil.which("fedforge")
+    return [exe] if exe else [sys.executable, "-m", "common.cli"]
+
+
+@dataclass
+class Factory:
+    index: int
+    factory_id: str
+    agent_address: str
+    supernode_port: int
+    process_names: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LocalFederation:
+    root: Path
+    procs: ProcessSet
+    num_factories: int = 3
+    seed: int = 0
+    alpha: float = 1.0
+    train_size: int = 600
+    port: int = field(default_factory=free_port)
+    factories: list[Factory] = field(default_factory=list)
+
+    @property
+    def superlink(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def registry_dir(self) -> Path:
+        return self.root / "registry"
+
+    def start_central(self) -> None:
+        proc = self.procs.start("central", fedforge_command() + ["server", "--workdir", str(self.root / "central"), "--port", str(self.port)])
+        wait_for_port("127.0.0.1", self.port, timeout=90, proc=proc)
+
+    def _data_flags(self, index: int) -> list[str]:
+        return ["--factory-index", str(index), "--num-factories", str(self.num_factories), "--data-seed", str(self.seed),
+                "--alpha", str(self.alpha), "--train-size", str(self.train_size)]
+
+    def start_factory(self, index: int, separate_agent: bool = False) -> Factory:
+        """One factory; with ``separate_agent`` its agent and SuperNode are separate processes."""
+        f = Factory(index, f"factory-{index}", f"127.0.0.1:{free_port()}", free_port())
+        ff = fedforge_command()
+        if not separate_agent:
+            self.procs.start(f.factory_id, ff + [
+                "client", "--factory-id", f.factory_id, "--superlink", self.superlink, "--agent-listen", f.agent_address,
+                "--supernode-port", str(f.supernode_port), "--workdir", str(self.root / f.factory_id), *self._data_flags(index),
+            ])
+            f.process_names = [f.factory_id]
+        else:
+            self.procs.start(f"{f.factory_id}-agent", ff + ["agent", "--factory-id", f.factory_id, "--agent-listen", f.agent_address, *self._data_flags(index)])
+            node_config = f"factory-id='{f.factory_id}' agent-address='{f.agent_address}'"
+            self.procs.start(f"{f.factory_id}-supernode", [
+                shutil.which("flower-supernode") or "flower-supernode", "--insecure", "--superlink", self.superlink,
+                "--port", str(f.supernode_port), "--node-config", node_config,
+            ], env={"FLWR_TELEMETRY_ENABLED": "0"})
+            f.process_names = [f"{f.factory_id}-agent", f"{f.factory_id}-supernode"]
+        self.factories.append(f)
+        return f
+
+    def start(self, separate_agents: frozenset[int] = frozenset()) -> None:
+        self.start_central()
+        for i in range(self.num_factories):
+            self.start_factory(i, separate_agent=i in separate_agents)
+        for f in self.factories:
+            self.wait_for_agent(f.agent_address)
+
+    def wait_for_agent(self, address: str, timeout: float = 180.0) -> edge_pb2.HealthReply:
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(address) as channel:
+            stub = edge_pb2_grpc.EdgeAgentStub(channel)
+            while True:
+                if dead := self.procs.dead():
+                    raise RuntimeError(f"process {dead[0][0]} exited with {dead[0][1]} during start-up (see {self.root / 'logs'})")
+                try:
+                    return stub.Health(edge_pb2.HealthRequest(), timeout=2)
+                except grpc.RpcError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"edge agent at {address} not serving after {timeout:.0f}s") from None
+                    time.sleep(0.2)
+
+    def flwr_home(self) -> Path:
+        return launch.flwr_home(self.root / "central", self.superlink)
+
+    def run_config(self, rounds: int, **overrides: Any) -> dict[str, Any]:
+        return {
+            "num-server-rounds": rounds, "min-factories": max(1, self.num_factories - 1), "expected-factories": self.num_factories,
+            "seed": self.seed, "data-seed": self.seed, "num-factories": self.num_factories, "alpha": self.alpha,
+            "registry-dir": str(self.registry_dir), **overrides,
+        }
+
+    def submit(self, run_config: dict[str, Any]) -> str:
+        return launch.submit_run(self.flwr_home(), run_config)
+
+    def process(self, name: str) -> Any:
+        return next(p for n, p in self.procs.procs if n == name)

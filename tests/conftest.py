@@ -1,0 +1,44 @@
+"""Shared fixtures. Process checks read /proc directly: every FedForge process is a Linux process."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+WATCHED = ("flower-superlink", "flower-supernode", "flwr-serverapp", "flwr-clientapp", "fedforge", "common.cli")
+
+
+def federation_pids() -> set[int]:
+    """PIDs of every live Flower or FedForge process on this machine (zombies excluded)."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and any(w in cmdline for w in WATCHED) and "pytest" not in cmdline:
+            pids.add(int(entry.name))
+    return pids
+
+
+@pytest.fixture
+def no_leftover_processes():
+    """Fail the test if any Flower/FedForge process it started is still alive afterwards."""
+    before = federation_pids()
+    yield
+    deadline = time.monotonic() + 15
+    while (left := federation_pids() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"processes left running: {left}"
+
+
+@pytest.fixture(autouse=True)
+def _quiet_flower(monkeypatch):
+    monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
+    monkeypatch.setenv("FEDFORGE_TORCH_THREADS", "1")

@@ -1,0 +1,80 @@
+"""The edge agent over real gRPC on loopback."""
+
+from collections import OrderedDict
+
+import grpc
+import numpy as np
+import pytest
+from google.protobuf import struct_pb2
+
+from client.agent import GRPC_OPTIONS, serve
+from client.config import AgentConfig
+from common.models import build_model
+from common.procs import free_port
+from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
+from common.tensors import from_tensors, to_tensors
+
+
+@pytest.fixture(scope="module")
+def agent():
+    address = f"127.0.0.1:{free_port()}"
+    server = serve(AgentConfig(factory_id="plant-7", listen=address, train_size=64))
+    channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+    yield edge_pb2_grpc.EdgeAgentStub(channel)
+    channel.close()
+    server.stop(grace=None).wait()
+
+
+def _global():
+    return OrderedDict((k, v.numpy()) for k, v in build_model("cnn-small", 6, seed=1).state_dict().items())
+
+
+def _config(**kw):
+    s = struct_pb2.Struct()
+    s.update({"architecture": "cnn-small", "local-epochs": 1, "batch-size": 16, **kw})
+    return s
+
+
+def test_health(agent):
+    h = agent.Health(edge_pb2.HealthRequest())
+    assert h.factory_id == "plant-7" and h.status == "serving" and h.num_examples > 0
+
+
+def test_train_returns_a_changed_model_of_the_same_shape(agent):
+    g = _global()
+    reply = agent.Train(edge_pb2.TrainRequest(server_round=1, weights=to_tensors(g), config=_config()))
+    new = from_tensors(reply.weights)
+    assert reply.factory_id == "plant-7" and reply.num_examples > 0
+    assert list(new) == list(g) and all(new[k].shape == g[k].shape for k in g)
+    assert any(not np.allclose(new[k], g[k]) for k in g)
+    assert np.isfinite(reply.metrics["train-loss"])
+
+
+def test_evaluate(agent):
+    reply = agent.Evaluate(edge_pb2.EvaluateRequest(weights=to_tensors(_global()), config=_config()))
+    assert 0.0 <= reply.metrics["val-accuracy"] <= 1.0
+
+
+def test_wrong_shape_model_is_refused_with_invalid_argument(agent):
+    g = _global()
+    first = next(iter(g))
+    g[first] = np.zeros((1, 2), np.float32)
+    with pytest.raises(grpc.RpcError) as err:
+        agent.Train(edge_pb2.TrainRequest(server_round=1, weights=to_tensors(g), config=_config()))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and first in err.value.details()
+
+
+def test_nan_model_and_bad_config_are_refused(agent):
+    g = _global()
+    first = next(iter(g))
+    g[first] = g[first].copy()
+    g[first].flat[0] = np.inf
+    with pytest.raises(grpc.RpcError) as err:
+        agent.Train(edge_pb2.TrainRequest(weights=to_tensors(g), config=_config()))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as err:
+        agent.Train(edge_pb2.TrainRequest(weights=to_tensors(_global()), config=_config(optimizer="lbfgs")))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "optimizer" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        agent.Train(edge_pb2.TrainRequest(weights=to_tensors(_global()), config=_config(architecture="resnet-9000")))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "architecture" in err.value.details()

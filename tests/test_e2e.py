@@ -1,0 +1,73 @@
+"""End to end over real processes on loopback: SuperLink, SuperNodes, edge agents, ServerApp."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from common.procs import ProcessSet
+from server.local import LocalFederation
+from server.registry.service import Registry
+
+pytestmark = pytest.mark.slow
+CHANCE = 1 / 6
+
+
+def test_demo_runs_a_federation_and_cleans_up(tmp_path, no_leftover_processes):
+    summary_path = tmp_path / "summary.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "common.cli", "demo", "--factories", "3", "--rounds", "2", "--workdir", str(tmp_path / "demo"),
+         "--json", str(summary_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(summary_path.read_text())
+    assert [r["round"] for r in summary["rounds"]] == [1, 2]
+    assert all(r["status"] == "completed" and len(r["participants"]) == 3 for r in summary["rounds"])
+    assert summary["final_accuracy"] > CHANCE + 0.08, summary
+    assert summary["wall_seconds"] > 0 and all(r["seconds"] > 0 for r in summary["rounds"])
+
+    registry = Registry.at(tmp_path / "demo" / "registry")
+    versions = registry.versions(summary["run_id"])
+    assert [v.kind for v in versions] == ["initial", "fedavg", "fedavg"]
+    assert [v.parent_id for v in versions[1:]] == [v.id for v in versions[:-1]]
+    for v in versions:
+        assert hashlib.sha256(registry.artifacts.path_for(v.sha256).read_bytes()).hexdigest() == v.sha256
+    assert "final accuracy" in proc.stderr
+
+
+def test_killed_agent_is_left_out_and_the_next_round_proceeds(tmp_path, no_leftover_processes):
+    root = tmp_path / "fed"
+    with ProcessSet(root / "logs") as procs:
+        fed = LocalFederation(root, procs, num_factories=3, train_size=300)
+        fed.start(separate_agents=frozenset({2}))
+        flwr_run_id = fed.submit(fed.run_config(3, **{"min-factories": 2, "round-timeout": 120.0, "local-epochs": 1}))
+        registry, run_id = Registry.at(fed.registry_dir), f"run-{flwr_run_id}"
+
+        deadline = time.monotonic() + 300
+        while not registry.rounds(run_id):
+            assert time.monotonic() < deadline, "round 1 never completed"
+            time.sleep(0.2)
+        time.sleep(1.0)  # round 2 is in flight
+        os.kill(fed.process("factory-2-agent").pid, signal.SIGKILL)
+
+        while (run := registry.get_run(run_id)) is None or run.status == "running":
+            assert time.monotonic() < deadline, "run did not finish"
+            time.sleep(0.5)
+
+    rounds = registry.rounds(run_id)
+    assert run.status == "finished", run.error
+    assert [r.status for r in rounds] == ["completed"] * 3
+    assert rounds[0].participants == ["factory-0", "factory-1", "factory-2"]
+    for r in rounds[1:]:
+        assert r.participants == ["factory-0", "factory-1"]
+        assert list(r.failures) == ["factory-2"], r.failures
+    log = (fed.registry_dir / "server.log").read_text()
+    assert "round 2: factory factory-2 failed" in log and "round 3: factory factory-2 failed" in log
