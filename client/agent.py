@@ -17,6 +17,8 @@ import grpc
 from google.protobuf import json_format
 
 from client.config import AgentConfig
+from client.dp import DPConfigError
+from client.privacy import BudgetExhausted
 from client.trainer import FactoryTrainer
 from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
 from common.tensors import UpdateError, from_tensors, to_tensors
@@ -40,7 +42,7 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
 
     def Train(self, request: edge_pb2.TrainRequest, context: grpc.ServicerContext) -> edge_pb2.TrainReply:
         with self._lock, _status_on_error(context, "train"):
-            weights, n, metrics = self.trainer.train(from_tensors(request.weights), _config(request.config), request.server_round)
+            weights, n, metrics = self.trainer.train(from_tensors(request.weights), _config(request.config), request.server_round, request.run_id)
             log.info("round %d: trained on %d examples, loss %.4f", request.server_round, n, metrics["train-loss"])
             return edge_pb2.TrainReply(factory_id=self.trainer.cfg.factory_id, weights=to_tensors(weights), num_examples=n, metrics=metrics)
         return edge_pb2.TrainReply()  # unreachable: context.abort raised
@@ -56,6 +58,7 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
         return edge_pb2.HealthReply(
             factory_id=t.cfg.factory_id, status="serving", num_examples=len(t.train_data), data_source=t.cfg.data,
             uptime_seconds=time.time() - t.started, pid=os.getpid(), skipped_files=[p for p, _ in t.report.skipped],
+            privacy=t.privacy_status(),
         )
 
 
@@ -71,6 +74,9 @@ class _status_on_error:
     def __exit__(self, exc_type: type | None, exc: BaseException | None, _tb: object) -> bool:
         if exc is None:
             return False
+        if isinstance(exc, (BudgetExhausted, DPConfigError)):
+            log.warning("%s refused: %s", self.what, exc)
+            self.context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         if isinstance(exc, UpdateError):
             log.warning("%s refused: %s", self.what, exc)
             self.context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

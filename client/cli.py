@@ -27,6 +27,14 @@ def agent_options(f):  # type: ignore[no-untyped-def]
         click.option("--alpha", default=1.0, type=float, help="Synthetic data: Dirichlet label skew (smaller = more skewed)."),
         click.option("--train-size", default=600, type=int, help="Synthetic data: images in this factory."),
         click.option("--torch-threads", default=1, type=int, help="torch intra-op threads for training."),
+        click.option("--state-dir", default="fedforge-factory", type=click.Path(file_okay=False), help="Durable factory state (privacy ledger)."),
+        click.option("--dp/--no-dp", default=False, help="Train with DP-SGD (Opacus) under this factory's privacy budget."),
+        click.option("--dp-epsilon", default=8.0, type=float, help="Privacy budget epsilon_max over all rounds and runs."),
+        click.option("--dp-delta", default=1e-5, type=float, help="Privacy budget delta."),
+        click.option("--dp-max-grad-norm", default=1.0, type=float, help="Per-sample gradient clipping bound."),
+        click.option("--dp-planned-rounds", default=20, type=int, help="Rounds the budget is planned for (sets the noise)."),
+        click.option("--dp-grad-sample-mode", default="hooks", type=click.Choice(["hooks", "ew", "functorch", "ghost"]), help="Opacus per-sample gradient mode."),
+        click.option("--dp-fix-model/--no-dp-fix-model", default=False, help="Replace BatchNorm by GroupNorm instead of refusing the model."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -38,8 +46,10 @@ def _agent_config(kw: dict) -> AgentConfig:
         return AgentConfig(
             factory_id=kw["factory_id"], listen=kw["agent_listen"], data=kw["data"], factory_index=kw["factory_index"],
             num_factories=kw["num_factories"], data_seed=kw["data_seed"], alpha=kw["alpha"], train_size=kw["train_size"],
-            torch_threads=kw["torch_threads"],
-        )
+            torch_threads=kw["torch_threads"], state_dir=kw["state_dir"], dp=kw["dp"], dp_epsilon=kw["dp_epsilon"],
+            dp_delta=kw["dp_delta"], dp_max_grad_norm=kw["dp_max_grad_norm"], dp_planned_rounds=kw["dp_planned_rounds"],
+            dp_grad_sample_mode=kw["dp_grad_sample_mode"], dp_fix_model=kw["dp_fix_model"],
+        ).validated()
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
 

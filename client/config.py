@@ -18,6 +18,26 @@ class AgentConfig:
     image_size: int = 64
     val_fraction: float = 0.1
     torch_threads: int = 1
+    state_dir: str = "fedforge-factory"  # durable factory state (the privacy ledger)
+    # Differential privacy: factory-side settings the server cannot change.
+    dp: bool = False
+    dp_epsilon: float = 8.0
+    dp_delta: float = 1e-5
+    dp_max_grad_norm: float = 1.0
+    dp_planned_rounds: int = 20
+    dp_grad_sample_mode: str = "hooks"
+    dp_fix_model: bool = False
+
+    def validated(self) -> AgentConfig:
+        self.privacy_budget()  # raises ValueError naming the bad --dp-* option
+        return self
+
+    def privacy_budget(self):  # type: ignore[no-untyped-def]
+        from client.privacy import PrivacyBudget
+
+        if not self.dp:
+            return None
+        return PrivacyBudget(self.dp_epsilon, self.dp_delta, self.dp_max_grad_norm, self.dp_planned_rounds, self.dp_grad_sample_mode)
 
     def __post_init__(self) -> None:
         if not self.factory_id or any(c.isspace() or c in "'\"" for c in self.factory_id):

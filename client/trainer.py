@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from collections import OrderedDict
 from typing import Any
 
@@ -15,6 +16,8 @@ import numpy as np
 import torch
 
 from client.config import AgentConfig
+from client.dp import check_dp_compatible, sample_rate, steps_per_epoch, train_private
+from client.privacy import PrivacyLedger, noise_for_budget
 from common.data import datasets
 from common.data.datasets import ImageDataset
 from common.data.folder import FolderReport, load_image_folder
@@ -72,34 +75,65 @@ class FactoryTrainer:
         data, self.report = load_factory_data(cfg)
         self.train_data, self.val_data = split_validation(data, cfg.val_fraction, seed=cfg.data_seed)
         self._models: dict[str, torch.nn.Module] = {}
+        self.budget = cfg.privacy_budget()
+        self.ledger = PrivacyLedger(Path(cfg.state_dir) / "privacy-ledger.db", cfg.factory_id) if self.budget else None
         log.info("factory %s: %d training and %d validation images from %s", cfg.factory_id, len(self.train_data), len(self.val_data), cfg.data)
 
-    def _model_with(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any]) -> torch.nn.Module:
+    def _model_with(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any], fresh: bool = False) -> torch.nn.Module:
         architecture = str(config.get("architecture", "cnn-small"))
-        model = self._models.get(architecture)
+        model = None if fresh else self._models.get(architecture)
         if model is None:
             try:
                 model = build_model(architecture, num_classes=len(self.train_data.classes))
             except ValueError as exc:
                 raise UpdateError(str(exc)) from exc
-            self._models[architecture] = model
+            if not fresh:
+                self._models[architecture] = model
         reference = {k: v.detach().numpy() for k, v in model.state_dict().items()}
         check_like(reference, weights, source="global model from the server")
         model.load_state_dict({k: torch.from_numpy(np.asarray(v, dtype=reference[k].dtype)) for k, v in weights.items()})
         return model
 
-    def train(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any], server_round: int) -> tuple[OrderedDict[str, np.ndarray], int, dict[str, float]]:
-        model = self._model_with(weights, config)
+    def train(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any], server_round: int, run_id: str = "") -> tuple[OrderedDict[str, np.ndarray], int, dict[str, float]]:
+        cfg = train_config_from(config, server_round)
+        model = self._model_with(weights, config, fresh=self.budget is not None)
         before = evaluate(model, self.val_data) if len(self.val_data) else None
         t0 = time.perf_counter()
-        result = train(model, self.train_data, train_config_from(config, server_round))
+        if self.budget is None:
+            result, privacy = train(model, self.train_data, cfg), {}
+        else:
+            result, privacy = self._train_private(model, cfg, config, server_round, run_id)
         seconds = time.perf_counter() - t0
         new = OrderedDict((k, v.detach().numpy().copy()) for k, v in model.state_dict().items())
         check_like(weights, new, source=f"factory {self.cfg.factory_id} local training")
-        metrics = {"train-loss": result.loss, "train-accuracy": result.accuracy, "train-seconds": seconds, "steps": float(result.steps)}
+        metrics = {"train-loss": result.loss, "train-accuracy": result.accuracy, "train-seconds": seconds, "steps": float(result.steps), **privacy}
         if before is not None:
             metrics |= {"val-accuracy-before": before.accuracy, "val-loss-before": before.loss}
         return new, result.examples, metrics
+
+    def _train_private(self, model: torch.nn.Module, cfg: TrainConfig, config: dict[str, Any], server_round: int, run_id: str) -> tuple[Any, dict[str, float]]:
+        """Charge the ledger for this round (or refuse it), then train with DP-SGD."""
+        assert self.budget is not None and self.ledger is not None
+        ignored = sorted(k for k in config if k.startswith("dp-") or k in ("noise-multiplier", "max-grad-norm", "epsilon", "delta"))
+        if ignored:
+            log.warning("ignoring privacy settings sent by the server %s: the budget and noise are factory configuration", ignored)
+        model = check_dp_compatible(model, fix=self.cfg.dp_fix_model)
+        n = len(self.train_data)
+        rate = sample_rate(n, cfg.batch_size)
+        steps = cfg.epochs * steps_per_epoch(n, cfg.batch_size)
+        noise = noise_for_budget(self.budget.epsilon_max, self.budget.delta, rate, self.budget.planned_rounds * steps)
+        epsilon = self.ledger.charge(self.budget, run_id, server_round, noise, rate, steps)  # raises BudgetExhausted
+        result = train_private(model, self.train_data, cfg, noise, self.budget.max_grad_norm, self.budget.grad_sample_mode)
+        return result, {
+            "epsilon-spent": epsilon, "epsilon-remaining": max(0.0, self.budget.epsilon_max - epsilon), "epsilon-max": self.budget.epsilon_max,
+            "delta": self.budget.delta, "noise-multiplier": noise, "dp-steps": float(steps),
+        }
+
+    def privacy_status(self) -> dict[str, float]:
+        if self.budget is None or self.ledger is None:
+            return {}
+        spent = self.ledger.spent(self.budget.delta)
+        return {"epsilon-spent": spent, "epsilon-remaining": max(0.0, self.budget.epsilon_max - spent), "epsilon-max": self.budget.epsilon_max}
 
     def evaluate(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any]) -> tuple[int, dict[str, float]]:
         model = self._model_with(weights, config)

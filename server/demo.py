@@ -41,8 +41,10 @@ console = Console(stderr=True)
 @click.option("--min-factories", default=None, type=click.IntRange(1), help="Abort a round below this many good updates (default: factories - 1, at least 1).")
 @click.option("--round-timeout", default=300.0, type=float, help="Seconds to wait for factories in a round.")
 @click.option("--lr", default=1e-3, type=float, help="Local learning rate.")
+@click.option("--dp/--no-dp", default=False, help="Factories train with DP-SGD under their own privacy budget.")
+@click.option("--epsilon", default=8.0, type=float, help="With --dp: each factory's privacy budget epsilon_max.")
 def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str, json_path: str | None, architecture: str,
-         train_size: int, alpha: float, min_factories: int | None, round_timeout: float, lr: float) -> None:
+         train_size: int, alpha: float, min_factories: int | None, round_timeout: float, lr: float, dp: bool, epsilon: float) -> None:
     """Run a local demo federation over real Flower processes on 127.0.0.1."""
     t_start = time.perf_counter()
     root = Path(workdir).resolve()
@@ -52,7 +54,8 @@ def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str
         **({"min-factories": min_factories} if min_factories else {}),
     }
     with ProcessSet(root / "logs") as procs:
-        fed = LocalFederation(root, procs, num_factories=factories, seed=seed, alpha=alpha, train_size=train_size)
+        flags = ["--dp", "--dp-epsilon", str(epsilon), "--dp-planned-rounds", str(rounds)] if dp else []
+        fed = LocalFederation(root, procs, num_factories=factories, seed=seed, alpha=alpha, train_size=train_size, factory_flags=flags)
         try:
             console.print(f"[bold]FedForge demo[/]: {factories} factories, {rounds} rounds, workdir {root}")
             fed.start_central()
@@ -116,7 +119,8 @@ def follow_run(registry: Registry, run_id: str, rounds: int, home: Path, flwr_ru
         ],
         "initial_accuracy": versions[0].metrics.get("accuracy") if versions else None,
         "final_accuracy": completed[-1].accuracy if completed else None,
-        "versions": [{"id": v.id, "round": v.server_round, "kind": v.kind, "parent": v.parent_id, "sha256": v.sha256} for v in versions],
+        "versions": [{"id": v.id, "round": v.server_round, "kind": v.kind, "parent": v.parent_id, "sha256": v.sha256, "privacy": v.privacy}
+                     for v in versions],
         "registry": str(registry.artifacts.root.parent),
     }
 

@@ -32,6 +32,8 @@ from server.registry.service import NewVersion, Registry
 
 log = logging.getLogger("fedforge.server")
 
+PRIVACY_KEYS = ("epsilon-spent", "epsilon-remaining", "epsilon-max", "delta", "noise-multiplier")
+
 
 @dataclass(frozen=True)
 class FederationConfig:
@@ -149,7 +151,8 @@ class Federation:
         new_weights = fedavg(updates, like=weights)
         central = self._evaluate(new_weights)
         factory_metrics = _weighted_metrics(updates)
-        version = self._record_version(server_round, parent.id, "fedavg", new_weights, {**central, **factory_metrics}, participants)
+        privacy = {u.factory_id: {k: u.metrics[k] for k in PRIVACY_KEYS if k in u.metrics} for u in updates if "epsilon-spent" in u.metrics}
+        version = self._record_version(server_round, parent.id, "fedavg", new_weights, {**central, **factory_metrics}, participants, privacy)
         seconds = time.perf_counter() - t0
         self.registry.record_round(
             self.run_id, server_round, status="completed", accuracy=central["accuracy"], loss=central["loss"],
@@ -182,10 +185,11 @@ class Federation:
         result = evaluate(self.model, self.test_data)
         return {"accuracy": result.accuracy, "loss": result.loss}
 
-    def _record_version(self, server_round: int, parent_id: str | None, kind: str, weights: Any, metrics: dict[str, float], participants: list[str]) -> Any:
+    def _record_version(self, server_round: int, parent_id: str | None, kind: str, weights: Any, metrics: dict[str, float],
+                        participants: list[str], privacy: dict[str, Any] | None = None) -> Any:
         return self.registry.add_version(NewVersion(
             run_id=self.run_id, server_round=server_round, parent_id=parent_id, kind=kind, architecture=self.cfg.architecture,
-            weights=weights, metrics=metrics, participants=participants,
+            weights=weights, metrics=metrics, participants=participants, privacy=privacy,
         ))
 
     def _wait_for_factories(self) -> None:
@@ -198,7 +202,7 @@ class Federation:
 
 
 def _weighted_metrics(updates: list[FactoryUpdate]) -> dict[str, float]:
-    """Example-weighted means of the factories' own metrics (prefixed ``factory-``)."""
+    """Example-weighted means of the factories' own metrics (prefixed ``factory-``; privacy is per factory)."""
     total = sum(u.num_examples for u in updates)
-    keys = set.intersection(*(set(u.metrics) for u in updates))
+    keys = set.intersection(*(set(u.metrics) for u in updates)) - set(PRIVACY_KEYS)
     return {f"factory-{k}": sum(u.metrics[k] * u.num_examples for u in updates) / total for k in sorted(keys)}

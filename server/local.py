@@ -43,6 +43,7 @@ class LocalFederation:
     seed: int = 0
     alpha: float = 1.0
     train_size: int = 600
+    factory_flags: list[str] = field(default_factory=list)  # extra `fedforge client|agent` flags (e.g. --dp)
     port: int = field(default_factory=free_port)
     factories: list[Factory] = field(default_factory=list)
 
@@ -60,7 +61,8 @@ class LocalFederation:
 
     def _data_flags(self, index: int) -> list[str]:
         return ["--factory-index", str(index), "--num-factories", str(self.num_factories), "--data-seed", str(self.seed),
-                "--alpha", str(self.alpha), "--train-size", str(self.train_size)]
+                "--alpha", str(self.alpha), "--train-size", str(self.train_size),
+                "--state-dir", str(self.root / f"factory-{index}" / "state"), *self.factory_flags]
 
     def start_factory(self, index: int, separate_agent: bool = False) -> Factory:
         """One factory; with ``separate_agent`` its agent and SuperNode are separate processes."""

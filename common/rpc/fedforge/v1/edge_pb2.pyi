@@ -84,7 +84,14 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("factory_id", "status", "num_examples", "data_source", "uptime_seconds", "pid", "skipped_files")
+    __slots__ = ("factory_id", "status", "num_examples", "data_source", "uptime_seconds", "pid", "skipped_files", "privacy")
+    class PrivacyEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     FACTORY_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +99,7 @@ class HealthReply(_message.Message):
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FILES_FIELD_NUMBER: _ClassVar[int]
+    PRIVACY_FIELD_NUMBER: _ClassVar[int]
     factory_id: str
     status: str
     num_examples: int
@@ -99,4 +107,5 @@ class HealthReply(_message.Message):
     uptime_seconds: float
     pid: int
     skipped_files: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, factory_id: _Optional[str] = ..., status: _Optional[str] = ..., num_examples: _Optional[int] = ..., data_source: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pid: _Optional[int] = ..., skipped_files: _Optional[_Iterable[str]] = ...) -> None: ...
+    privacy: _containers.ScalarMap[str, float]
+    def __init__(self, factory_id: _Optional[str] = ..., status: _Optional[str] = ..., num_examples: _Optional[int] = ..., data_source: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pid: _Optional[int] = ..., skipped_files: _Optional[_Iterable[str]] = ..., privacy: _Optional[_Mapping[str, float]] = ...) -> None: ...

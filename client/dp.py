@@ -1,0 +1,94 @@
+"""DP-SGD local training with Opacus: per-sample clipping, Gaussian noise, Poisson sampling.
+
+One `PrivacyEngine` per round on a fresh, plain model (re-privatising last round's module fails in
+Opacus, and the ledger, not the engine, carries the history). Sampling and noise generators are
+seeded from ``os.urandom``: torchcsprng (Opacus' ``secure_mode``) does not install for this stack.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from common.data.datasets import ImageDataset
+from common.training import TrainConfig, TrainResult, make_optimizer, warmup_cosine
+
+
+class DPConfigError(ValueError):
+    """The model or settings cannot be trained with DP-SGD; the message says what to change."""
+
+
+def check_dp_compatible(model: nn.Module, fix: bool = False) -> nn.Module:
+    """Refuse BatchNorm (per-sample gradients need sample-independent layers), or fix it when asked."""
+    from opacus.validators import ModuleValidator
+
+    model.train()
+    errors = ModuleValidator.validate(model, strict=False)
+    if not errors:
+        return model
+    if fix:
+        return ModuleValidator.fix(model)
+    raise DPConfigError(
+        "the model cannot be trained with DP-SGD: " + "; ".join(str(e) for e in errors[:3])
+        + ". Use GroupNorm instead of BatchNorm (FedForge's cnn-* models do), or enable --dp-fix-model."
+    )
+
+
+def sample_rate(num_examples: int, batch_size: int) -> float:
+    return min(1.0, batch_size / max(1, num_examples))
+
+
+def steps_per_epoch(num_examples: int, batch_size: int) -> int:
+    return max(1, int(round(1.0 / sample_rate(num_examples, batch_size))))
+
+
+def _urandom_generator() -> torch.Generator:
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1))
+
+
+def train_private(model: nn.Module, data: ImageDataset, cfg: TrainConfig, noise_multiplier: float, max_grad_norm: float,
+                  grad_sample_mode: str = "hooks") -> TrainResult:
+    """Train ``model`` (a plain module; its weights change in place) with DP-SGD for ``cfg.epochs``."""
+    from opacus import PrivacyEngine
+
+    dataset = TensorDataset(torch.from_numpy(data.images), torch.from_numpy(data.labels))
+    loader = DataLoader(dataset, batch_size=cfg.batch_size, generator=_urandom_generator())
+    optimizer = make_optimizer(model, cfg)
+    engine = PrivacyEngine(accountant="rdp")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Ss]ecure.*")
+        warnings.filterwarnings("ignore", message=".*Optimal order.*")
+        private_model, private_opt, private_loader = engine.make_private(
+            module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm, poisson_sampling=True, noise_generator=_urandom_generator(), grad_sample_mode=grad_sample_mode,
+        )
+    total = max(1, len(private_loader) * cfg.epochs)
+    schedule = torch.optim.lr_scheduler.LambdaLR(private_opt.original_optimizer, lambda s: warmup_cosine(s, total, cfg.warmup_fraction))
+    private_model.train()
+    loss_sum, correct, seen, steps = 0.0, 0, 0, 0
+    for _ in range(cfg.epochs):
+        for x, y in private_loader:
+            if len(y) == 0:  # an empty Poisson batch: nothing to learn from, still a step of the mechanism
+                private_opt.zero_grad(set_to_none=True)
+                continue
+            logits = private_model(x)
+            loss = F.cross_entropy(logits, y)
+            private_opt.zero_grad(set_to_none=True)
+            loss.backward()
+            private_opt.step()
+            schedule.step()
+            steps += 1
+            loss_sum += float(loss.detach()) * len(y)
+            correct += int((logits.argmax(1) == y).sum())
+            seen += len(y)
+    if hasattr(private_model, "_close"):
+        private_model._close()  # remove Opacus hooks: the plain module's weights are what leave the agent
+    if not math.isfinite(loss_sum):
+        raise FloatingPointError("DP training diverged (non-finite loss); lower the learning rate")
+    return TrainResult(loss=loss_sum / max(1, seen), accuracy=correct / max(1, seen), steps=steps, examples=len(data))

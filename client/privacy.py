@@ -1,0 +1,128 @@
+"""The factory's privacy budget: a durable ledger of every DP training charge, and its enforcement.
+
+The budget (epsilon_max, delta) is factory configuration; nothing the server sends can raise it or
+lower the noise. Before a round trains, the agent computes the epsilon the full history *plus this
+round* would reach and refuses the round if that exceeds epsilon_max. The charge is committed
+(SQLite, synchronous=FULL) before training starts, so a crash or kill -9 can only over-count.
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+
+class BudgetExhausted(RuntimeError):
+    """Training this round would exceed the factory's privacy budget; nothing is trained or sent."""
+
+
+@dataclass(frozen=True)
+class PrivacyBudget:
+    epsilon_max: float
+    delta: float
+    max_grad_norm: float = 1.0
+    planned_rounds: int = 20  # the noise is chosen so that this many rounds fit the budget
+    grad_sample_mode: str = "hooks"  # hooks | ew | functorch | ghost (ghost_fsdp under FSDP)
+
+    def __post_init__(self) -> None:
+        if not (self.epsilon_max > 0 and math.isfinite(self.epsilon_max)):
+            raise ValueError(f"--dp-epsilon must be a positive number, got {self.epsilon_max}")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"--dp-delta must be in (0, 1), got {self.delta}")
+        if self.max_grad_norm <= 0 or self.planned_rounds < 1:
+            raise ValueError("--dp-max-grad-norm must be > 0 and --dp-planned-rounds >= 1")
+
+
+@dataclass(frozen=True)
+class Charge:
+    run_id: str
+    server_round: int
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    delta: float
+    created_at: float
+
+
+def epsilon_of(history: list[tuple[float, float, int]], delta: float) -> float:
+    """RDP epsilon of a history of (noise multiplier, sample rate, steps), merged by (noise, rate)."""
+    if not history:
+        return 0.0
+    from opacus.accountants import RDPAccountant
+
+    merged: dict[tuple[float, float], int] = defaultdict(int)
+    for noise, rate, steps in history:
+        merged[(noise, rate)] += steps
+    accountant = RDPAccountant()
+    accountant.history = [(noise, rate, steps) for (noise, rate), steps in merged.items()]
+    return float(accountant.get_epsilon(delta=delta))
+
+
+@lru_cache(maxsize=64)
+def noise_for_budget(epsilon_max: float, delta: float, sample_rate: float, total_steps: int) -> float:
+    """The noise multiplier that spends exactly the whole budget over ``total_steps`` steps."""
+    from opacus.accountants.utils import get_noise_multiplier
+
+    try:
+        return float(get_noise_multiplier(target_epsilon=epsilon_max, target_delta=delta, sample_rate=sample_rate, steps=total_steps, accountant="rdp"))
+    except ValueError as exc:
+        raise BudgetExhausted(
+            f"no noise level fits {total_steps} DP steps at sample rate {sample_rate:.4f} into epsilon_max {epsilon_max} "
+            f"(delta {delta}): {exc} The round is refused and nothing is sent; raise --dp-epsilon or lower --dp-planned-rounds or the local epochs."
+        ) from exc
+
+
+class PrivacyLedger:
+    """Append-only SQLite record of DP charges for one factory, across rounds, runs and restarts."""
+
+    def __init__(self, path: str | Path, factory_id: str) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.factory_id = factory_id
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS charges (id INTEGER PRIMARY KEY AUTOINCREMENT, factory_id TEXT NOT NULL,"
+            " run_id TEXT NOT NULL, server_round INTEGER NOT NULL, noise_multiplier REAL NOT NULL, sample_rate REAL NOT NULL,"
+            " steps INTEGER NOT NULL, delta REAL NOT NULL, created_at REAL NOT NULL)"
+        )
+
+    def charges(self) -> list[Charge]:
+        rows = self._db.execute(
+            "SELECT run_id, server_round, noise_multiplier, sample_rate, steps, delta, created_at FROM charges WHERE factory_id=? ORDER BY id",
+            (self.factory_id,),
+        ).fetchall()
+        return [Charge(*row) for row in rows]
+
+    def history(self) -> list[tuple[float, float, int]]:
+        return [(c.noise_multiplier, c.sample_rate, c.steps) for c in self.charges()]
+
+    def spent(self, delta: float) -> float:
+        return epsilon_of(self.history(), delta)
+
+    def charge(self, budget: PrivacyBudget, run_id: str, server_round: int, noise_multiplier: float, sample_rate: float, steps: int) -> float:
+        """Record a round's charge if it fits the budget; return epsilon after it, or raise `BudgetExhausted`."""
+        after = epsilon_of(self.history() + [(noise_multiplier, sample_rate, steps)], budget.delta)
+        if after > budget.epsilon_max:
+            spent = self.spent(budget.delta)
+            raise BudgetExhausted(
+                f"privacy budget of factory {self.factory_id} exhausted: this round ({steps} DP steps at noise {noise_multiplier:.3f}, "
+                f"sample rate {sample_rate:.4f}) would bring epsilon from {spent:.3f} to {after:.3f} > epsilon_max {budget.epsilon_max} "
+                f"(delta {budget.delta}); the round is refused and nothing is sent. Raise --dp-epsilon on the factory to train more."
+            )
+        with self._db:  # one committed, fsync'd transaction before any training starts
+            self._db.execute(
+                "INSERT INTO charges (factory_id, run_id, server_round, noise_multiplier, sample_rate, steps, delta, created_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (self.factory_id, run_id, server_round, noise_multiplier, sample_rate, steps, budget.delta, time.time()),
+            )
+        return after
+
+    def close(self) -> None:
+        self._db.close()
