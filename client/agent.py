@@ -20,6 +20,7 @@ from client.config import AgentConfig
 from client.dp import DPConfigError
 from client.privacy import BudgetExhausted
 from client.trainer import FactoryTrainer
+from client.workers import WorkerGroupError
 from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
 from common.tensors import UpdateError, from_tensors, to_tensors
 
@@ -74,6 +75,9 @@ class _status_on_error:
     def __exit__(self, exc_type: type | None, exc: BaseException | None, _tb: object) -> bool:
         if exc is None:
             return False
+        if isinstance(exc, WorkerGroupError):
+            log.error("%s failed: %s", self.what, exc)
+            self.context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.what} failed: {exc}")
         if isinstance(exc, (BudgetExhausted, DPConfigError)):
             log.warning("%s refused: %s", self.what, exc)
             self.context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
@@ -85,8 +89,22 @@ class _status_on_error:
         return False
 
 
-def serve(cfg: AgentConfig) -> grpc.Server:
-    """Load the factory's data and start serving on ``cfg.listen``; returns the running server."""
+class Agent:
+    """A running agent: the gRPC server and the trainer (with its worker group) behind it."""
+
+    def __init__(self, server: grpc.Server, trainer: FactoryTrainer) -> None:
+        self.server, self.trainer = server, trainer
+
+    def wait(self) -> None:
+        self.server.wait_for_termination()
+
+    def stop(self, grace: float | None = 2.0) -> None:
+        self.server.stop(grace).wait()
+        self.trainer.close()
+
+
+def serve(cfg: AgentConfig) -> Agent:
+    """Load the factory's data, start its worker group, and serve on ``cfg.listen``."""
     trainer = FactoryTrainer(cfg)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
     edge_pb2_grpc.add_EdgeAgentServicer_to_server(EdgeAgentServicer(trainer), server)
@@ -94,4 +112,4 @@ def serve(cfg: AgentConfig) -> grpc.Server:
         raise RuntimeError(f"edge agent could not listen on {cfg.listen}")
     server.start()
     log.info("edge agent for factory %s serving on %s", cfg.factory_id, cfg.listen)
-    return server
+    return Agent(server, trainer)

@@ -27,6 +27,8 @@ def agent_options(f):  # type: ignore[no-untyped-def]
         click.option("--alpha", default=1.0, type=float, help="Synthetic data: Dirichlet label skew (smaller = more skewed)."),
         click.option("--train-size", default=600, type=int, help="Synthetic data: images in this factory."),
         click.option("--torch-threads", default=1, type=int, help="torch intra-op threads for training."),
+        click.option("--parallelism", default="none", type=click.Choice(["none", "ddp", "fsdp"]), help="Local training across several workers."),
+        click.option("--local-world-size", default=1, type=click.IntRange(1), help="Ranks of the DDP/FSDP worker group (GPUs or CPU workers)."),
         click.option("--state-dir", default="fedforge-factory", type=click.Path(file_okay=False), help="Durable factory state (privacy ledger)."),
         click.option("--dp/--no-dp", default=False, help="Train with DP-SGD (Opacus) under this factory's privacy budget."),
         click.option("--dp-epsilon", default=8.0, type=float, help="Privacy budget epsilon_max over all rounds and runs."),
@@ -46,7 +48,7 @@ def _agent_config(kw: dict) -> AgentConfig:
         return AgentConfig(
             factory_id=kw["factory_id"], listen=kw["agent_listen"], data=kw["data"], factory_index=kw["factory_index"],
             num_factories=kw["num_factories"], data_seed=kw["data_seed"], alpha=kw["alpha"], train_size=kw["train_size"],
-            torch_threads=kw["torch_threads"], state_dir=kw["state_dir"], dp=kw["dp"], dp_epsilon=kw["dp_epsilon"],
+            torch_threads=kw["torch_threads"], parallelism=kw["parallelism"], local_world_size=kw["local_world_size"], state_dir=kw["state_dir"], dp=kw["dp"], dp_epsilon=kw["dp_epsilon"],
             dp_delta=kw["dp_delta"], dp_max_grad_norm=kw["dp_max_grad_norm"], dp_planned_rounds=kw["dp_planned_rounds"],
             dp_grad_sample_mode=kw["dp_grad_sample_mode"], dp_fix_model=kw["dp_fix_model"],
         ).validated()
@@ -68,11 +70,13 @@ def _start_agent(cfg: AgentConfig):  # type: ignore[no-untyped-def]
 @agent_options
 def agent(**kw: object) -> None:
     """Run only the edge agent (the SuperNode is started elsewhere)."""
-    server = _start_agent(_agent_config(kw))
+    running = _start_agent(_agent_config(kw))
     try:
-        server.wait_for_termination()
+        running.wait()
     except KeyboardInterrupt:
-        server.stop(grace=2).wait()
+        pass
+    finally:
+        running.stop()
 
 
 @click.command()
@@ -85,7 +89,7 @@ def agent(**kw: object) -> None:
 def client(superlink: str, supernode_port: int, workdir: str, insecure: bool, root_certificates: str | None, **kw: object) -> None:
     """Run one factory: the warm edge agent plus a Flower SuperNode that forwards to it."""
     cfg = _agent_config(kw)
-    server = _start_agent(cfg)
+    running = _start_agent(cfg)
     node_config = f"factory-id='{cfg.factory_id}' agent-address='{cfg.listen}'"
     cmd = [shutil.which("flower-supernode") or "flower-supernode", "--superlink", superlink, "--port", str(supernode_port), "--node-config", node_config]
     cmd += ["--insecure"] if insecure else (["--root-certificates", root_certificates] if root_certificates else [])
@@ -105,4 +109,4 @@ def client(superlink: str, supernode_port: int, workdir: str, insecure: bool, ro
         except KeyboardInterrupt:
             log.info("factory %s: stopping", cfg.factory_id)
         finally:
-            server.stop(grace=2).wait()
+            running.stop()

@@ -18,6 +18,8 @@ class AgentConfig:
     image_size: int = 64
     val_fraction: float = 0.1
     torch_threads: int = 1
+    parallelism: str = "none"  # none | ddp | fsdp
+    local_world_size: int = 1  # ranks of the DDP/FSDP worker group
     state_dir: str = "fedforge-factory"  # durable factory state (the privacy ledger)
     # Differential privacy: factory-side settings the server cannot change.
     dp: bool = False
@@ -42,5 +44,9 @@ class AgentConfig:
     def __post_init__(self) -> None:
         if not self.factory_id or any(c.isspace() or c in "'\"" for c in self.factory_id):
             raise ValueError(f"factory id {self.factory_id!r} must be non-empty, without spaces or quotes")
+        if self.parallelism not in ("none", "ddp", "fsdp"):
+            raise ValueError(f"--parallelism must be none, ddp or fsdp, got {self.parallelism!r}")
+        if self.local_world_size < 1:
+            raise ValueError(f"--local-world-size must be >= 1, got {self.local_world_size}")
         if not 0.0 <= self.val_fraction < 0.9:
             raise ValueError(f"val_fraction must be in [0, 0.9), got {self.val_fraction}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import asdict
 from pathlib import Path
 from collections import OrderedDict
 from typing import Any
@@ -18,12 +19,13 @@ import torch
 from client.config import AgentConfig
 from client.dp import check_dp_compatible, sample_rate, steps_per_epoch, train_private
 from client.privacy import PrivacyLedger, noise_for_budget
+from client.workers import Job, WorkerGroup
 from common.data import datasets
 from common.data.datasets import ImageDataset
 from common.data.folder import FolderReport, load_image_folder
 from common.models import build_model
 from common.tensors import UpdateError, check_like
-from common.training import TrainConfig, evaluate, set_torch_threads, train
+from common.training import TrainConfig, TrainResult, evaluate, set_torch_threads, train
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,8 @@ def train_config_from(config: dict[str, Any], server_round: int) -> TrainConfig:
             weight_decay=float(config.get("weight-decay", 1e-4)),
             grad_clip=float(config.get("grad-clip", 5.0)),
             augment=bool(config.get("augment", False)),
+            bf16=bool(config.get("bf16", False)),
+            activation_checkpointing=bool(config.get("activation-checkpointing", False)),
             seed=int(config.get("seed", 0)) * 100_003 + server_round,
         )
     except (TypeError, ValueError) as exc:
@@ -77,6 +81,7 @@ class FactoryTrainer:
         self._models: dict[str, torch.nn.Module] = {}
         self.budget = cfg.privacy_budget()
         self.ledger = PrivacyLedger(Path(cfg.state_dir) / "privacy-ledger.db", cfg.factory_id) if self.budget else None
+        self.workers = WorkerGroup(cfg, cfg.parallelism, cfg.local_world_size) if cfg.parallelism != "none" else None
         log.info("factory %s: %d training and %d validation images from %s", cfg.factory_id, len(self.train_data), len(self.val_data), cfg.data)
 
     def _model_with(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any], fresh: bool = False) -> torch.nn.Module:
@@ -97,37 +102,51 @@ class FactoryTrainer:
     def train(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any], server_round: int, run_id: str = "") -> tuple[OrderedDict[str, np.ndarray], int, dict[str, float]]:
         cfg = train_config_from(config, server_round)
         model = self._model_with(weights, config, fresh=self.budget is not None)
+        if self.budget is not None:
+            model = check_dp_compatible(model, fix=self.cfg.dp_fix_model)
         before = evaluate(model, self.val_data) if len(self.val_data) else None
         t0 = time.perf_counter()
-        if self.budget is None:
-            result, privacy = train(model, self.train_data, cfg), {}
+        privacy, dp_job = self._charge_privacy(model, cfg, config, server_round, run_id) if self.budget else ({}, None)
+        if self.workers is not None:
+            out = self.workers.run(Job(weights=dict(weights), architecture=str(config.get("architecture", "cnn-small")),
+                                       train=asdict(cfg), dp=dp_job))
+            new, result = out["weights"], TrainResult(out["loss"], out["accuracy"], out["steps"], out["examples"])
         else:
-            result, privacy = self._train_private(model, cfg, config, server_round, run_id)
+            if dp_job is None:
+                result = train(model, self.train_data, cfg)
+            else:
+                result = train_private(model, self.train_data, cfg, dp_job["noise_multiplier"], dp_job["max_grad_norm"], dp_job["grad_sample_mode"])
+            new = OrderedDict((k, v.detach().numpy().copy()) for k, v in model.state_dict().items())
         seconds = time.perf_counter() - t0
-        new = OrderedDict((k, v.detach().numpy().copy()) for k, v in model.state_dict().items())
         check_like(weights, new, source=f"factory {self.cfg.factory_id} local training")
         metrics = {"train-loss": result.loss, "train-accuracy": result.accuracy, "train-seconds": seconds, "steps": float(result.steps), **privacy}
         if before is not None:
             metrics |= {"val-accuracy-before": before.accuracy, "val-loss-before": before.loss}
         return new, result.examples, metrics
 
-    def _train_private(self, model: torch.nn.Module, cfg: TrainConfig, config: dict[str, Any], server_round: int, run_id: str) -> tuple[Any, dict[str, float]]:
-        """Charge the ledger for this round (or refuse it), then train with DP-SGD."""
+    def _charge_privacy(self, model: torch.nn.Module, cfg: TrainConfig, config: dict[str, Any], server_round: int, run_id: str) -> tuple[dict[str, float], dict[str, Any]]:
+        """Charge the ledger for this round (or refuse it with `BudgetExhausted`) before any training."""
         assert self.budget is not None and self.ledger is not None
         ignored = sorted(k for k in config if k.startswith("dp-") or k in ("noise-multiplier", "max-grad-norm", "epsilon", "delta"))
         if ignored:
             log.warning("ignoring privacy settings sent by the server %s: the budget and noise are factory configuration", ignored)
-        model = check_dp_compatible(model, fix=self.cfg.dp_fix_model)
         n = len(self.train_data)
         rate = sample_rate(n, cfg.batch_size)
         steps = cfg.epochs * steps_per_epoch(n, cfg.batch_size)
         noise = noise_for_budget(self.budget.epsilon_max, self.budget.delta, rate, self.budget.planned_rounds * steps)
-        epsilon = self.ledger.charge(self.budget, run_id, server_round, noise, rate, steps)  # raises BudgetExhausted
-        result = train_private(model, self.train_data, cfg, noise, self.budget.max_grad_norm, self.budget.grad_sample_mode)
-        return result, {
+        epsilon = self.ledger.charge(self.budget, run_id, server_round, noise, rate, steps)
+        mode = "ghost_fsdp" if self.cfg.parallelism == "fsdp" else self.budget.grad_sample_mode
+        job = {"noise_multiplier": noise, "max_grad_norm": self.budget.max_grad_norm, "sample_rate": rate, "grad_sample_mode": mode}
+        return {
             "epsilon-spent": epsilon, "epsilon-remaining": max(0.0, self.budget.epsilon_max - epsilon), "epsilon-max": self.budget.epsilon_max,
             "delta": self.budget.delta, "noise-multiplier": noise, "dp-steps": float(steps),
-        }
+        }, job
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.close()
+        if self.ledger is not None:
+            self.ledger.close()
 
     def privacy_status(self) -> dict[str, float]:
         if self.budget is None or self.ledger is None:

@@ -67,7 +67,8 @@ class DefectCNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Per-image standardisation: removes each factory's gain, offset and exposure before the
         # first conv, and has no parameters (nothing for DP or FedAvg to handle).
-        x = (x - x.mean(dim=(2, 3), keepdim=True)) / (x.std(dim=(2, 3), keepdim=True) + 1e-5)
+        mean = x.mean(dim=(2, 3), keepdim=True)
+        x = (x - mean) / (((x - mean) ** 2).mean(dim=(2, 3), keepdim=True).sqrt() + 1e-5)
         h = self.features(x)
         pooled = torch.cat([h.mean(dim=(2, 3)), h.amax(dim=(2, 3))], dim=1)
         return self.head(pooled)

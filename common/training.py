@@ -40,6 +40,8 @@ class TrainConfig:
     warmup_fraction: float = 0.1
     grad_clip: float = 5.0  # max global L2 norm of the gradient, 0 = off
     augment: bool = False
+    bf16: bool = False  # bf16 autocast for the forward pass (CPU and GPU)
+    activation_checkpointing: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -81,8 +83,14 @@ class TrainResult:
     examples: int
 
 
-def train(model: nn.Module, data: ImageDataset, cfg: TrainConfig) -> TrainResult:
-    """Train ``model`` in place for ``cfg.epochs`` epochs over ``data``."""
+def train(model: nn.Module, data: ImageDataset, cfg: TrainConfig, shard: tuple[int, int] = (0, 1)) -> TrainResult:
+    """Train ``model`` in place for ``cfg.epochs`` epochs over ``data``.
+
+    With ``shard=(rank, world_size)`` every rank walks the same global batches (same seed) and
+    computes on its slice ``batch[rank::world_size]``; DDP/FSDP average the gradients, so the
+    step equals a single process's step on the whole global batch.
+    """
+    rank, world_size = shard
     generator = torch.Generator().manual_seed(cfg.seed)
     images = torch.from_numpy(data.images)
     labels = torch.from_numpy(data.labels)
@@ -92,16 +100,23 @@ def train(model: nn.Module, data: ImageDataset, cfg: TrainConfig) -> TrainResult
     optimizer = make_optimizer(model, cfg)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, total, cfg.warmup_fraction))
     model.train()
+    device = next(iter(model.parameters())).device
     loss_sum, correct, seen, step = 0.0, 0, 0, 0
     for _ in range(cfg.epochs):
         order = torch.randperm(n, generator=generator)
         for start in range(0, n, cfg.batch_size):
-            idx = order[start : start + cfg.batch_size]
-            x, y = images[idx], labels[idx]
+            batch = order[start : start + cfg.batch_size]
+            idx = batch[rank::world_size]
+            x, y = images[idx].to(device), labels[idx].to(device)
             if cfg.augment:
                 x = augment_batch(x, generator)
-            logits = model(x)
-            loss = F.cross_entropy(logits, y)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+                logits = model(x)
+            # Sum over this rank's slice, divided by the *global* batch size (times world size, which
+            # DDP/FSDP divide back out when they average): exactly the single-process mean loss,
+            # whatever the slice sizes, and an empty slice contributes zero.
+            loss_sum_local = F.cross_entropy(logits.float(), y, reduction="sum")
+            loss = loss_sum_local * (world_size / len(batch))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.grad_clip > 0:
@@ -109,7 +124,7 @@ def train(model: nn.Module, data: ImageDataset, cfg: TrainConfig) -> TrainResult
             optimizer.step()
             schedule.step()
             step += 1
-            loss_sum += float(loss.detach()) * len(y)
+            loss_sum += float(loss_sum_local.detach())
             correct += int((logits.argmax(1) == y).sum())
             seen += len(y)
     return TrainResult(loss=loss_sum / max(1, seen), accuracy=correct / max(1, seen), steps=step, examples=n)

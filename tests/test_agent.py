@@ -22,7 +22,7 @@ def agent():
     channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
     yield edge_pb2_grpc.EdgeAgentStub(channel)
     channel.close()
-    server.stop(grace=None).wait()
+    server.stop(grace=None)
 
 
 def _global():

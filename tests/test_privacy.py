@@ -12,7 +12,6 @@ import time
 from collections import OrderedDict
 
 import grpc
-import numpy as np
 import pytest
 import torch
 from google.protobuf import struct_pb2
@@ -127,7 +126,7 @@ def test_refusal_reaches_the_caller_as_failed_precondition(tmp_path):
             stub.Train(edge_pb2.TrainRequest(run_id="r", server_round=1, weights=to_tensors(_global()), config=config))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "refused and nothing is sent" in err.value.details()
     finally:
-        server.stop(grace=None).wait()
+        server.stop(grace=None)
 
 
 @pytest.mark.slow

@@ -1,0 +1,231 @@
+"""A warm torch.distributed worker group inside the edge agent (DDP or FSDP, gloo on CPU, nccl on GPU).
+
+The group is spawned once, when the agent starts, and lives across messages and rounds: each
+worker loads the factory's data once and joins the process group once. A round is a job put on every
+worker's queue; all ranks train together; rank 0 answers with the full, unsharded weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import multiprocessing as mp
+import os
+import queue
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from client.config import AgentConfig
+from common.procs import _die_with_parent, free_port
+
+log = logging.getLogger(__name__)
+
+
+class WorkerGroupError(RuntimeError):
+    """A worker failed or died; the group is restarted before the next job."""
+
+
+@dataclass(frozen=True)
+class Job:
+    weights: dict[str, np.ndarray]
+    architecture: str
+    train: dict[str, Any]  # TrainConfig fields
+    dp: dict[str, Any] | None = None  # noise_multiplier, max_grad_norm, sample_rate, grad_sample_mode
+
+
+class WorkerGroup:
+    def __init__(self, cfg: AgentConfig, parallelism: str, world_size: int) -> None:
+        if parallelism not in ("ddp", "fsdp"):
+            raise ValueError(f"worker groups run ddp or fsdp, not {parallelism!r}")
+        if world_size < 1:
+            raise ValueError(f"--local-world-size must be >= 1, got {world_size}")
+        self.cfg, self.parallelism, self.world_size = cfg, parallelism, world_size
+        self.backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.jobs = [ctx.Queue() for _ in range(self.world_size)]
+        self.results = ctx.Queue()
+        port = free_port()
+        self.procs = [
+            ctx.Process(target=_worker_main, args=(rank, self.world_size, port, self.backend, self.cfg, self.parallelism, self.jobs[rank], self.results),
+                        daemon=True, name=f"fedforge-{self.parallelism}-rank{rank}")
+            for rank in range(self.world_size)
+        ]
+        for p in self.procs:
+            p.start()
+        ready = self._collect(timeout=300)
+        log.info("%s worker group of %d ranks (%s) ready: pids %s", self.parallelism, self.world_size, self.backend, [r["pid"] for r in ready])
+
+    def _collect(self, timeout: float) -> list[dict[str, Any]]:
+        out: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(out) < self.world_size:
+            try:
+                rank, status, payload = self.results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [p.name for p in self.procs if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.close(force=True)
+                    raise WorkerGroupError(f"worker(s) {dead or 'all'} {'died' if dead else 'timed out'}; the group will be restarted") from None
+                continue
+            if status == "error":
+                self.close(force=True)
+                raise WorkerGroupError(f"rank {rank} failed: {payload}")
+            out[rank] = payload
+        return [out[r] for r in range(self.world_size)]
+
+    def run(self, job: Job, timeout: float = 3600) -> dict[str, Any]:
+        """Run one training job on every rank; return rank 0's result (weights, metrics, per-rank digests)."""
+        if not all(p.is_alive() for p in self.procs):
+            self._start()
+        for q in self.jobs:
+            q.put(job)
+        results = self._collect(timeout)
+        return {**results[0], "rank_digests": [r["digest"] for r in results]}
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p.pid is not None]
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            for q in self.jobs:
+                with contextlib.suppress(Exception):
+                    q.put(None)
+            for p in self.procs:
+                p.join(10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+# ---------------------------------------------------------------------------------------------
+# worker side
+
+
+def _worker_main(rank: int, world_size: int, port: int, backend: str, cfg: AgentConfig, parallelism: str, jobs: Any, results: Any) -> None:
+    from client.trainer import load_factory_data, split_validation
+    from common.training import set_torch_threads
+
+    try:
+        _die_with_parent()  # a killed agent takes its workers with it
+        set_torch_threads(cfg.torch_threads)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        data, _ = load_factory_data(cfg)
+        train_data, _ = split_validation(data, cfg.val_fraction, seed=cfg.data_seed)
+        results.put((rank, "ok", {"pid": os.getpid()}))
+    except Exception as exc:  # noqa: BLE001 - reported to the agent, which restarts the group
+        results.put((rank, "error", f"start-up: {type(exc).__name__}: {exc}"))
+        return
+    while True:
+        job = jobs.get()
+        if job is None:
+            break
+        try:
+            out = run_job(job, train_data, parallelism, rank, world_size, backend)
+            results.put((rank, "ok", out if rank == 0 else {"digest": out["digest"], "pid": os.getpid()}))
+        except Exception as exc:  # noqa: BLE001
+            log.exception("rank %d failed", rank)
+            results.put((rank, "error", f"{type(exc).__name__}: {exc}"))
+    with contextlib.suppress(Exception):
+        dist.barrier()  # without it torch sometimes aborts at shutdown
+        dist.destroy_process_group()
+
+
+def run_job(job: Job, train_data: Any, parallelism: str, rank: int, world_size: int, backend: str) -> dict[str, Any]:
+    from client.parallel import apply_activation_checkpointing, apply_ddp, apply_fsdp, full_state_dict
+    from common.models import build_model
+    from common.training import TrainConfig, train
+
+    device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
+    model = build_model(job.architecture, num_classes=len(train_data.classes))
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in job.weights.items()})
+    model.to(device)
+    cfg = TrainConfig(**job.train)
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    t0 = time.perf_counter()
+    if job.dp is None:
+        wrapped = apply_ddp(model) if parallelism == "ddp" else apply_fsdp(model)
+        result = train(wrapped, train_data, cfg, shard=(rank, world_size))
+    else:
+        wrapped = apply_ddp(model, dp=True) if parallelism == "ddp" else apply_fsdp(model)
+        result = train_private_distributed(wrapped, train_data, cfg, job.dp, rank, world_size)
+    weights = full_state_dict(wrapped)
+    seconds = time.perf_counter() - t0
+    digest = hashlib.sha256(b"".join(v.tobytes() for v in weights.values())).hexdigest()
+    return {"weights": weights, "digest": digest, "pid": os.getpid(), "loss": result.loss, "accuracy": result.accuracy, "steps": result.steps, "examples": result.examples, "seconds": seconds}
+
+
+def train_private_distributed(model: Any, data: Any, cfg: Any, dp: dict[str, Any], rank: int, world_size: int) -> Any:
+    """DP-SGD across ranks: Poisson sampling on each rank's shard, batches always yielded (possibly empty)."""
+    from opacus import PrivacyEngine
+    from opacus.data_loader import wrap_collate_with_empty
+    from opacus.utils.uniform_sampler import DistributedUniformWithReplacementSampler
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data._utils.collate import default_collate
+
+    from client.dp import _urandom_generator
+    from common.training import TrainResult, make_optimizer, warmup_cosine
+
+    class AlwaysYieldSampler(DistributedUniformWithReplacementSampler):
+        """Opacus' sampler skips empty batches, so ranks fall out of step; this one never skips."""
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            g = torch.Generator().manual_seed(self.shuffle_seed + self.epoch)
+            indices = torch.randperm(self.total_size, generator=g)[self.rank :: self.num_replicas]
+            for _ in range(self.num_batches):
+                mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
+                yield indices[mask.nonzero(as_tuple=False).reshape(-1)].tolist()
+
+    dataset = TensorDataset(torch.from_numpy(data.images), torch.from_numpy(data.labels))
+    sampler = AlwaysYieldSampler(total_size=len(dataset), sample_rate=dp["sample_rate"], generator=_urandom_generator())
+    h, w = data.images.shape[2:]
+    collate = wrap_collate_with_empty(collate_fn=default_collate, sample_empty_shapes=[(0, 1, h, w), (0,)], dtypes=[torch.float32, torch.int64])
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
+    optimizer = make_optimizer(model, cfg)
+    engine = PrivacyEngine(accountant="rdp")
+    ghost = dp.get("grad_sample_mode") == "ghost_fsdp"
+    made = engine.make_private(
+        module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=dp["noise_multiplier"], max_grad_norm=dp["max_grad_norm"],
+        poisson_sampling=False, noise_generator=_urandom_generator(), grad_sample_mode=dp.get("grad_sample_mode", "hooks"),
+        criterion=torch.nn.CrossEntropyLoss(),
+    )
+    if ghost:
+        private_model, private_opt, criterion, private_loader = made
+    else:
+        (private_model, private_opt, private_loader), criterion = made, torch.nn.CrossEntropyLoss()
+    total = max(1, len(private_loader) * cfg.epochs)
+    schedule = torch.optim.lr_scheduler.LambdaLR(private_opt.original_optimizer, lambda s: warmup_cosine(s, total, cfg.warmup_fraction))
+    private_model.train()
+    device = next(iter(private_model.parameters())).device
+    loss_sum, correct, seen, steps = 0.0, 0, 0, 0
+    for epoch in range(cfg.epochs):
+        sampler.set_epoch(epoch)
+        for x, y in private_loader:
+            x, y = x.to(device), y.to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+                logits = private_model(x)
+            loss = criterion(logits, y) if len(y) else logits.sum() * 0.0
+            private_opt.zero_grad(set_to_none=True)
+            loss.backward()
+            private_opt.step()
+            schedule.step()
+            steps += 1
+            if len(y):
+                loss_sum += float(loss.detach()) * len(y)
+                correct += int((logits.argmax(1) == y).sum())
+                seen += len(y)
+    if hasattr(private_model, "_close"):
+        private_model._close()
+    return TrainResult(loss=loss_sum / max(1, seen), accuracy=correct / max(1, seen), steps=steps, examples=len(data))
