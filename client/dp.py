@@ -10,14 +10,20 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from common.data.datasets import ImageDataset
 from common.training import TrainConfig, TrainResult, make_optimizer, warmup_cosine
+
+
+# Opacus warns on every engine that secure_mode is off (see docs/security.md for why and what we do
+# instead) and torch warns that backward hooks fire for inputs without grad: both are expected here.
+warnings.filterwarnings("ignore", message=".*Secure RNG turned off.*")
+warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")
 
 
 class DPConfigError(ValueError):
@@ -52,22 +58,39 @@ def _urandom_generator() -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1))
 
 
-def train_private(model: nn.Module, data: ImageDataset, cfg: TrainConfig, noise_multiplier: float, max_grad_norm: float,
-                  grad_sample_mode: str = "hooks") -> TrainResult:
-    """Train ``model`` (a plain module; its weights change in place) with DP-SGD for ``cfg.epochs``."""
+def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader, noise_multiplier: float, max_grad_norm: float,
+                 grad_sample_mode: str, poisson_sampling: bool) -> tuple[nn.Module, Any, Any, DataLoader]:
+    """Opacus' ``make_private`` with one return shape: (model, optimizer, criterion, loader).
+
+    Ghost clipping modes return a criterion that runs the two backward passes; other modes use
+    plain cross-entropy.
+    """
     from opacus import PrivacyEngine
 
-    dataset = TensorDataset(torch.from_numpy(data.images), torch.from_numpy(data.labels))
-    loader = DataLoader(dataset, batch_size=cfg.batch_size, generator=_urandom_generator())
-    optimizer = make_optimizer(model, cfg)
     engine = PrivacyEngine(accountant="rdp")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*[Ss]ecure.*")
         warnings.filterwarnings("ignore", message=".*Optimal order.*")
-        private_model, private_opt, private_loader = engine.make_private(
-            module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=noise_multiplier,
-            max_grad_norm=max_grad_norm, poisson_sampling=True, noise_generator=_urandom_generator(), grad_sample_mode=grad_sample_mode,
+        made = engine.make_private(
+            module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+            poisson_sampling=poisson_sampling, noise_generator=_urandom_generator(), grad_sample_mode=grad_sample_mode,
+            criterion=nn.CrossEntropyLoss(),
         )
+    if "ghost" in grad_sample_mode:
+        private_model, private_opt, criterion, private_loader = made
+    else:
+        (private_model, private_opt, private_loader), criterion = made, nn.CrossEntropyLoss()
+    return private_model, private_opt, criterion, private_loader
+
+
+def train_private(model: nn.Module, data: ImageDataset, cfg: TrainConfig, noise_multiplier: float, max_grad_norm: float,
+                  grad_sample_mode: str = "hooks") -> TrainResult:
+    """Train ``model`` (a plain module; its weights change in place) with DP-SGD for ``cfg.epochs``."""
+    dataset = TensorDataset(torch.from_numpy(data.images), torch.from_numpy(data.labels))
+    loader = DataLoader(dataset, batch_size=cfg.batch_size, generator=_urandom_generator())
+    private_model, private_opt, criterion, private_loader = make_private(
+        model, make_optimizer(model, cfg), loader, noise_multiplier, max_grad_norm, grad_sample_mode, poisson_sampling=True
+    )
     total = max(1, len(private_loader) * cfg.epochs)
     schedule = torch.optim.lr_scheduler.LambdaLR(private_opt.original_optimizer, lambda s: warmup_cosine(s, total, cfg.warmup_fraction))
     private_model.train()
@@ -78,7 +101,7 @@ def train_private(model: nn.Module, data: ImageDataset, cfg: TrainConfig, noise_
                 private_opt.zero_grad(set_to_none=True)
                 continue
             logits = private_model(x)
-            loss = F.cross_entropy(logits, y)
+            loss = criterion(logits, y)
             private_opt.zero_grad(set_to_none=True)
             loss.backward()
             private_opt.step()

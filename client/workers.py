@@ -169,13 +169,12 @@ def run_job(job: Job, train_data: Any, parallelism: str, rank: int, world_size: 
 
 def train_private_distributed(model: Any, data: Any, cfg: Any, dp: dict[str, Any], rank: int, world_size: int) -> Any:
     """DP-SGD across ranks: Poisson sampling on each rank's shard, batches always yielded (possibly empty)."""
-    from opacus import PrivacyEngine
     from opacus.data_loader import wrap_collate_with_empty
     from opacus.utils.uniform_sampler import DistributedUniformWithReplacementSampler
     from torch.utils.data import DataLoader, TensorDataset
     from torch.utils.data._utils.collate import default_collate
 
-    from client.dp import _urandom_generator
+    from client.dp import _urandom_generator, make_private
     from common.training import TrainResult, make_optimizer, warmup_cosine
 
     class AlwaysYieldSampler(DistributedUniformWithReplacementSampler):
@@ -193,18 +192,10 @@ def train_private_distributed(model: Any, data: Any, cfg: Any, dp: dict[str, Any
     h, w = data.images.shape[2:]
     collate = wrap_collate_with_empty(collate_fn=default_collate, sample_empty_shapes=[(0, 1, h, w), (0,)], dtypes=[torch.float32, torch.int64])
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
-    optimizer = make_optimizer(model, cfg)
-    engine = PrivacyEngine(accountant="rdp")
-    ghost = dp.get("grad_sample_mode") == "ghost_fsdp"
-    made = engine.make_private(
-        module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=dp["noise_multiplier"], max_grad_norm=dp["max_grad_norm"],
-        poisson_sampling=False, noise_generator=_urandom_generator(), grad_sample_mode=dp.get("grad_sample_mode", "hooks"),
-        criterion=torch.nn.CrossEntropyLoss(),
+    private_model, private_opt, criterion, private_loader = make_private(
+        model, make_optimizer(model, cfg), loader, dp["noise_multiplier"], dp["max_grad_norm"], dp.get("grad_sample_mode", "hooks"),
+        poisson_sampling=False,  # our loader already samples (Poisson, never skipping a batch)
     )
-    if ghost:
-        private_model, private_opt, criterion, private_loader = made
-    else:
-        (private_model, private_opt, private_loader), criterion = made, torch.nn.CrossEntropyLoss()
     total = max(1, len(private_loader) * cfg.epochs)
     schedule = torch.optim.lr_scheduler.LambdaLR(private_opt.original_optimizer, lambda s: warmup_cosine(s, total, cfg.warmup_fraction))
     private_model.train()

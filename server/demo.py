@@ -43,8 +43,11 @@ console = Console(stderr=True)
 @click.option("--lr", default=1e-3, type=float, help="Local learning rate.")
 @click.option("--dp/--no-dp", default=False, help="Factories train with DP-SGD under their own privacy budget.")
 @click.option("--epsilon", default=8.0, type=float, help="With --dp: each factory's privacy budget epsilon_max.")
+@click.option("--parallelism", default="none", type=click.Choice(["none", "ddp", "fsdp"]), help="Local training in a DDP/FSDP worker group.")
+@click.option("--local-world-size", default=1, type=click.IntRange(1), help="Ranks per factory with --parallelism ddp|fsdp.")
 def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str, json_path: str | None, architecture: str,
-         train_size: int, alpha: float, min_factories: int | None, round_timeout: float, lr: float, dp: bool, epsilon: float) -> None:
+         train_size: int, alpha: float, min_factories: int | None, round_timeout: float, lr: float, dp: bool, epsilon: float,
+         parallelism: str, local_world_size: int) -> None:
     """Run a local demo federation over real Flower processes on 127.0.0.1."""
     t_start = time.perf_counter()
     root = Path(workdir).resolve()
@@ -55,6 +58,7 @@ def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str
     }
     with ProcessSet(root / "logs") as procs:
         flags = ["--dp", "--dp-epsilon", str(epsilon), "--dp-planned-rounds", str(rounds)] if dp else []
+        flags += ["--parallelism", parallelism, "--local-world-size", str(local_world_size)]
         fed = LocalFederation(root, procs, num_factories=factories, seed=seed, alpha=alpha, train_size=train_size, factory_flags=flags)
         try:
             console.print(f"[bold]FedForge demo[/]: {factories} factories, {rounds} rounds, workdir {root}")

@@ -71,3 +71,21 @@ def test_killed_agent_is_left_out_and_the_next_round_proceeds(tmp_path, no_lefto
         assert list(r.failures) == ["factory-2"], r.failures
     log = (fed.registry_dir / "server.log").read_text()
     assert "round 2: factory factory-2 failed" in log and "round 3: factory factory-2 failed" in log
+
+
+def test_demo_with_dp_and_ddp(tmp_path, no_leftover_processes):
+    summary_path = tmp_path / "summary.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "common.cli", "demo", "--factories", "2", "--rounds", "2", "--local-epochs", "1", "--train-size", "200",
+         "--dp", "--epsilon", "8", "--parallelism", "ddp", "--local-world-size", "2", "--min-factories", "2",
+         "--workdir", str(tmp_path / "demo"), "--json", str(summary_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(summary_path.read_text())
+    assert [r["status"] for r in summary["rounds"]] == ["completed", "completed"]
+    privacy = [v["privacy"] for v in summary["versions"][1:]]
+    for factory in ("factory-0", "factory-1"):
+        spent = [p[factory]["epsilon-spent"] for p in privacy]
+        assert 0 < spent[0] < spent[1] <= 8.0  # grows per round, within the budget
+        assert privacy[-1][factory]["epsilon-max"] == 8.0
