@@ -1,0 +1,134 @@
+"""Cryptographic building blocks of FedForge's SecAgg+: keys, masks, shares, sealed share boxes.
+
+Every primitive is a vetted one: X25519 key agreement, HKDF-SHA256, AES-256-GCM and ChaCha20 from
+`cryptography`; Shamir secret sharing over GF(2^128) from pycryptodome. Nothing here uses numpy's
+or Python's `random`: masks are a ChaCha20 keystream under a full 256-bit HKDF key, expanded in bulk
+and viewed as uint64 words (arithmetic in Z_{2^64}).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+PROTOCOL = b"fedforge/secagg+/v1"
+MASK_DTYPE = np.uint64  # masked vectors live in Z_{2^64}
+
+
+class ShareBoxError(ValueError):
+    """A sealed share box failed authentication or does not belong to this (round, sender, receiver)."""
+
+
+# keys --------------------------------------------------------------------------------------------
+
+def new_keypair() -> tuple[X25519PrivateKey, bytes]:
+    private = X25519PrivateKey.generate()
+    return private, public_bytes(private)
+
+
+def public_bytes(private: X25519PrivateKey) -> bytes:
+    return private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+def private_bytes(private: X25519PrivateKey) -> bytes:
+    return private.private_bytes_raw()
+
+
+def _context(purpose: bytes, session: bytes, a: int, b: int) -> bytes:
+    lo, hi = sorted((a, b))
+    return PROTOCOL + b"/" + purpose + b"/" + session + struct.pack(">II", lo, hi)
+
+
+def agree(private: X25519PrivateKey, peer_public: bytes, purpose: bytes, session: bytes, a: int, b: int) -> bytes:
+    """A 256-bit key shared by slots a and b for one purpose in one session (run and round)."""
+    shared = private.exchange(X25519PublicKey.from_public_bytes(peer_public))
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=_context(purpose, session, a, b)).derive(shared)
+
+
+# masks -------------------------------------------------------------------------------------------
+
+def expand_mask(seed: bytes, length: int) -> np.ndarray:
+    """``length`` uint64 words of ChaCha20 keystream under a 32-byte ``seed`` (bulk, no per-element Python)."""
+    if len(seed) != 32:
+        raise ValueError("mask seeds are 32 bytes")
+    encryptor = Cipher(algorithms.ChaCha20(seed, b"\x00" * 16), mode=None).encryptor()
+    stream = encryptor.update(bytes(8 * length))
+    return np.frombuffer(stream, dtype="<u8").astype(MASK_DTYPE, copy=False)
+
+
+def self_mask_seed() -> bytes:
+    return os.urandom(32)
+
+
+# Shamir sharing of 32-byte secrets (two GF(2^128) halves with the same share indices) ------------
+
+def share_secret(secret: bytes, threshold: int, holders: int) -> list[tuple[int, bytes]]:
+    """Split a 32-byte secret into ``holders`` shares (indices 1..holders); any ``threshold`` recover it."""
+    from Crypto.Protocol.SecretSharing import Shamir
+
+    if len(secret) != 32:
+        raise ValueError("secrets are 32 bytes")
+    if not 1 <= threshold <= holders:
+        raise ValueError(f"threshold {threshold} must be between 1 and the number of holders {holders}")
+    lo = Shamir.split(threshold, holders, secret[:16])
+    hi = Shamir.split(threshold, holders, secret[16:])
+    return [(i, a + b) for (i, a), (_, b) in zip(lo, hi)]
+
+
+def recover_secret(shares: list[tuple[int, bytes]]) -> bytes:
+    from Crypto.Protocol.SecretSharing import Shamir
+
+    lo = Shamir.combine([(i, s[:16]) for i, s in shares])
+    hi = Shamir.combine([(i, s[16:]) for i, s in shares])
+    return lo + hi
+
+
+# sealed share boxes ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SharePair:
+    """What slot ``sender`` gives slot ``receiver``: a share of its mask key and of its self-mask seed."""
+
+    sender: int
+    receiver: int
+    share_index: int
+    mask_key_share: bytes
+    seed_share: bytes
+
+
+def _aad(session: bytes, sender: int, receiver: int) -> bytes:
+    return PROTOCOL + b"/share/" + session + struct.pack(">II", sender, receiver)
+
+
+def seal(pair: SharePair, key: bytes, session: bytes) -> bytes:
+    """AES-256-GCM under the pair's key, bound to (session, sender, receiver) by the associated data."""
+    body = struct.pack(">III", pair.sender, pair.receiver, pair.share_index) + pair.mask_key_share + pair.seed_share
+    nonce = os.urandom(12)
+    return nonce + AESGCM(key).encrypt(nonce, body, _aad(session, pair.sender, pair.receiver))
+
+
+def open_box(box: bytes, key: bytes, session: bytes, sender: int, receiver: int) -> SharePair:
+    """Decrypt and check a share box; raises `ShareBoxError` if tampered, replayed or misrouted."""
+    try:
+        body = AESGCM(key).decrypt(box[:12], box[12:], _aad(session, sender, receiver))
+    except (InvalidTag, ValueError) as exc:
+        raise ShareBoxError(f"share box from slot {sender} to slot {receiver} failed authentication") from exc
+    s, r, index = struct.unpack(">III", body[:12])
+    if (s, r) != (sender, receiver) or len(body) != 12 + 64:
+        raise ShareBoxError(f"share box claims ({s}->{r}), expected ({sender}->{receiver})")
+    return SharePair(s, r, index, body[12:44], body[44:76])
+
+
+def session_id(run_id: str, server_round: int, phase: str = "fedavg") -> bytes:
+    """Binds keys and boxes to one run, round and use, so nothing can be replayed into another."""
+    return f"{run_id}|{server_round}|{phase}".encode()

@@ -1,0 +1,140 @@
+"""The server's side of SecAgg+: routes keys and share boxes, and unmasks only the *sum*.
+
+`SecureSum` is transport-free: each stage takes the factories' replies and says what to send next.
+It never receives an unmasked input: `add_masked_input` takes masked Z_{2^64} vectors, and the only
+vector it can decode is their sum after every mask has been removed (`result`). Share boxes are
+opaque ciphertexts to it (sealed between factories with keys it does not have).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from common.secagg.primitives import X25519PrivateKey, agree, expand_mask, recover_secret
+
+log = logging.getLogger("fedforge.server.secagg")
+
+
+class SecAggAborted(RuntimeError):
+    """Too few factories survived a stage (fewer than the threshold); nothing was learned."""
+
+
+def neighbour_graph(slots: list[int], degree: int) -> dict[int, list[int]]:
+    """A random circulant k-regular graph (complete when ``degree >= len(slots) - 1``).
+
+    The order of the ring is drawn with `secrets`, so no factory can choose its neighbours.
+    """
+    n = len(slots)
+    if degree >= n - 1:
+        return {u: [v for v in slots if v != u] for u in slots}
+    order = list(slots)
+    for i in range(n - 1, 0, -1):  # Fisher-Yates with a cryptographic source
+        j = secrets.randbelow(i + 1)
+        order[i], order[j] = order[j], order[i]
+    half = max(1, degree // 2)
+    graph = {u: set() for u in slots}
+    for i, u in enumerate(order):
+        for step in range(1, half + 1):
+            v = order[(i + step) % n]
+            graph[u].add(v)
+            graph[v].add(u)
+    return {u: sorted(vs) for u, vs in graph.items()}
+
+
+@dataclass
+class SecureSum:
+    session: bytes
+    slots: list[int]
+    threshold: int
+    degree: int
+    length: int = 0
+    enc_pks: dict[int, bytes] = field(default_factory=dict)
+    mask_pks: dict[int, bytes] = field(default_factory=dict)
+    graph: dict[int, list[int]] = field(default_factory=dict)
+    boxes: dict[int, dict[int, bytes]] = field(default_factory=dict)  # receiver -> sender -> box
+    u2: list[int] = field(default_factory=list)
+    _masked_total: np.ndarray | None = None
+    u3: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.threshold <= len(self.slots):
+            raise ValueError(f"threshold {self.threshold} must be between 2 and the number of factories {len(self.slots)}")
+
+    def _require(self, alive: list[int], stage: str) -> None:
+        if len(alive) < self.threshold:
+            raise SecAggAborted(f"secure aggregation aborted at {stage}: {len(alive)} factories left, threshold {self.threshold}")
+
+    # stage 1 -> 2 -----------------------------------------------------------------------------
+    def add_public_keys(self, keys: dict[int, tuple[bytes, bytes]]) -> dict[int, tuple[list[int], list[bytes], list[bytes]]]:
+        """Record (enc, mask) public keys; return for each live factory its neighbours and their keys."""
+        for slot, (enc, mask) in keys.items():
+            if len(enc) != 32 or len(mask) != 32:
+                log.warning("slot %d advertised malformed public keys; dropped", slot)
+                continue
+            self.enc_pks[slot], self.mask_pks[slot] = enc, mask
+        u1 = sorted(self.enc_pks)
+        self._require(u1, "key advertisement")
+        degree = min(self.degree, len(u1) - 1)
+        if degree + 1 < self.threshold:
+            raise SecAggAborted(f"neighbourhood of {degree + 1} cannot reach threshold {self.threshold}")
+        self.graph = neighbour_graph(u1, degree)
+        return {u: (vs, [self.enc_pks[v] for v in vs], [self.mask_pks[v] for v in vs]) for u, vs in self.graph.items()}
+
+    # stage 2 -> 3 -----------------------------------------------------------------------------
+    def add_share_boxes(self, sent: dict[int, dict[int, bytes]]) -> dict[int, dict[int, bytes]]:
+        """Route each sealed box to its receiver; factories that sent none have dropped (not in U2)."""
+        self.u2 = sorted(u for u, boxes in sent.items() if u in self.graph)
+        self._require(self.u2, "share distribution")
+        alive = set(self.u2)
+        for sender in self.u2:
+            for receiver, box in sent[sender].items():
+                if receiver in alive and receiver in self.graph[sender]:
+                    self.boxes.setdefault(receiver, {})[sender] = box
+        return {u: self.boxes.get(u, {}) for u in self.u2}
+
+    # stage 3 -----------------------------------------------------------------------------------
+    def add_masked_input(self, slot: int, masked: np.ndarray) -> None:
+        """Accumulate one masked vector (uniform in Z_{2^64} to us); only the running sum is kept."""
+        if slot not in self.u2 or slot in self.u3:
+            raise ValueError(f"slot {slot} cannot send a masked input now")
+        if masked.dtype != np.uint64 or masked.ndim != 1 or (self.length and len(masked) != self.length):
+            raise ValueError(f"slot {slot} sent a malformed masked vector ({masked.dtype}, {masked.shape})")
+        self.length = len(masked)
+        self._masked_total = masked.copy() if self._masked_total is None else self._masked_total + masked
+        self.u3.append(slot)
+
+    def unmask_request(self) -> tuple[list[int], list[int]]:
+        """(survivors, dropped): whose self-mask seeds and whose mask keys the survivors must reveal."""
+        self.u3.sort()
+        self._require(self.u3, "masked input")
+        return self.u3, sorted(set(self.u2) - set(self.u3))
+
+    # stage 4 -----------------------------------------------------------------------------------
+    def result(self, answers: dict[int, tuple[dict[int, tuple[int, bytes]], dict[int, tuple[int, bytes]]]]) -> np.ndarray:
+        """Remove every mask from the sum of masked inputs; returns sum_{u in U3} x_u in Z_{2^64}."""
+        survivors, dropped = self.unmask_request()
+        responders = sorted(u for u in answers if u in set(survivors))
+        self._require(responders, "unmasking")
+        assert self._masked_total is not None
+        total = self._masked_total.copy()
+        for u in survivors:
+            seed = self._recover(u, [answers[r][0].get(u) for r in responders], "self-mask seed")
+            total -= expand_mask(seed, self.length)
+        for d in dropped:
+            key = X25519PrivateKey.from_private_bytes(self._recover(d, [answers[r][1].get(d) for r in responders], "mask key"))
+            for u in self.graph[d]:
+                if u in set(survivors):
+                    pair_mask = expand_mask(agree(key, self.mask_pks[u], b"mask", self.session, d, u), self.length)
+                    # u added +mask if u < d, else -mask: undo exactly that
+                    total = total - pair_mask if u < d else total + pair_mask
+        return total
+
+    def _recover(self, slot: int, shares: list[tuple[int, bytes] | None], what: str) -> bytes:
+        usable = [s for s in shares if s is not None]
+        if len(usable) < self.threshold:
+            raise SecAggAborted(f"only {len(usable)} shares of the {what} of slot {slot} returned, threshold {self.threshold}")
+        return recover_secret(usable[: self.threshold])

@@ -1,0 +1,191 @@
+"""SecAgg+ protocol: correctness, dropouts at every stage, tampering, replays, and what the server sees."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from client.secagg import SecAggClient, SecAggProtocolError, SecAggSessions
+from common.secagg import quantize
+from common.secagg.primitives import expand_mask, recover_secret, session_id, share_secret
+from server.secure_sum import SecAggAborted, SecureSum, neighbour_graph
+
+
+def run_protocol(inputs: dict[int, np.ndarray], threshold: int, degree: int | None = None, drop_after: dict[str, set[int]] | None = None,
+                 tamper: set[tuple[int, int]] = frozenset(), session: bytes = b"run|1|fedavg"):
+    """Run all four stages in-process; ``drop_after[stage]`` lists slots that vanish after that stage."""
+    drop_after = {k: set(v) for k, v in (drop_after or {}).items()}
+    slots = sorted(inputs)
+    server = SecureSum(session, slots, threshold, degree if degree is not None else len(slots) - 1)
+    clients = {u: SecAggClient(session, u, threshold) for u in slots}
+    alive = set(slots) - drop_after.get("start", set())
+
+    keys = {u: (clients[u].advertise()["enc-pk"], clients[u].advertise()["mask-pk"]) for u in alive}
+    plan = server.add_public_keys(keys)
+    alive -= drop_after.get("advertise", set())  # advertised keys, then vanished: never shares
+    sent = {u: clients[u].share_keys(*plan[u]) for u in alive}
+    for (sender, receiver) in tamper:
+        box = bytearray(sent[sender][receiver])
+        box[-1] ^= 1
+        sent[sender][receiver] = bytes(box)
+    routed = server.add_share_boxes(sent)
+    alive -= drop_after.get("share", set())  # shared keys, then vanished: its masks must be removed
+    for u in sorted(alive):
+        clients[u].receive_boxes(routed[u])
+        server.add_masked_input(u, clients[u].mask(quantize.encode(inputs[u]), server.u2))
+    alive -= drop_after.get("input", set())  # sent its masked input, then vanished: still in the sum
+    survivors, dropped = server.unmask_request()
+    answers = {u: clients[u].unmask(survivors, dropped) for u in alive}
+    return quantize.decode(server.result(answers)), survivors, clients, server
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=st.integers(3, 7), length=st.integers(1, 300), seed=st.integers(0, 2**16))
+def test_sum_equals_plain_sum_within_quantization(n, length, seed):
+    rng = np.random.default_rng(seed)
+    inputs = {u: rng.normal(0, 3, size=length) for u in range(1, n + 1)}
+    total, survivors, _, _ = run_protocol(inputs, threshold=max(2, (2 * n) // 3))
+    assert survivors == list(range(1, n + 1))
+    np.testing.assert_allclose(total, sum(inputs.values()), atol=quantize.error_bound(n))
+
+
+def test_sparse_graph_sum_is_exact():
+    rng = np.random.default_rng(1)
+    inputs = {u: rng.normal(size=50) for u in range(1, 11)}
+    total, _, _, server = run_protocol(inputs, threshold=3, degree=4)
+    assert all(len(v) == 4 for v in server.graph.values())
+    np.testing.assert_allclose(total, sum(inputs.values()), atol=quantize.error_bound(10))
+
+
+@pytest.mark.parametrize("stage", ["advertise", "share", "input"])
+def test_dropout_at_each_stage_sums_the_survivors(stage):
+    rng = np.random.default_rng(2)
+    inputs = {u: rng.normal(size=64) for u in range(1, 7)}
+    total, survivors, _, _ = run_protocol(inputs, threshold=3, drop_after={stage: {2, 5}})
+    expected_contributors = [u for u in inputs if stage == "input" or u not in {2, 5}]
+    assert survivors == expected_contributors
+    np.testing.assert_allclose(total, sum(inputs[u] for u in expected_contributors), atol=quantize.error_bound(6))
+
+
+def test_dropout_during_unmasking_above_threshold_still_completes():
+    rng = np.random.default_rng(3)
+    inputs = {u: rng.normal(size=16) for u in range(1, 6)}
+    # slot 4 sends its masked input but does not answer the unmask request
+    session = b"r|1|fedavg"
+    slots = sorted(inputs)
+    server = SecureSum(session, slots, 3, 4)
+    clients = {u: SecAggClient(session, u, 3) for u in slots}
+    plan = server.add_public_keys({u: tuple(clients[u].advertise().values()) for u in slots})
+    routed = server.add_share_boxes({u: clients[u].share_keys(*plan[u]) for u in slots})
+    for u in slots:
+        clients[u].receive_boxes(routed[u])
+        server.add_masked_input(u, clients[u].mask(quantize.encode(inputs[u]), server.u2))
+    survivors, dropped = server.unmask_request()
+    answers = {u: clients[u].unmask(survivors, dropped) for u in slots if u != 4}
+    np.testing.assert_allclose(quantize.decode(server.result(answers)), sum(inputs.values()), atol=quantize.error_bound(5))
+
+
+@pytest.mark.parametrize("stage", ["start", "advertise", "share", "input"])
+def test_below_threshold_aborts_cleanly(stage):
+    inputs = {u: np.ones(8) for u in range(1, 5)}
+    with pytest.raises(SecAggAborted, match="threshold"):
+        run_protocol(inputs, threshold=3, drop_after={stage: {1, 2}})
+
+
+def test_tampered_box_is_rejected_and_counted_as_a_pair_dropout():
+    rng = np.random.default_rng(4)
+    inputs = {u: rng.normal(size=32) for u in range(1, 6)}
+    total, _, clients, _ = run_protocol(inputs, threshold=3, tamper={(2, 3)})
+    assert 2 in clients[3].rejected and 2 not in clients[3].received  # no crash; that share is simply missing
+    np.testing.assert_allclose(total, sum(inputs.values()), atol=quantize.error_bound(5))
+
+
+def _trio(session: bytes):
+    clients = {i: SecAggClient(session, i, 2) for i in (1, 2, 3)}
+    boxes = {}
+    for i, c in clients.items():
+        others = [j for j in clients if j != i]
+        boxes[i] = c.share_keys(others, [clients[j].advertise()["enc-pk"] for j in others], [clients[j].advertise()["mask-pk"] for j in others])
+    return clients, boxes
+
+
+def test_replayed_or_redirected_box_is_rejected():
+    round1, boxes1 = _trio(session_id("run-a", 1))
+    round2, _ = _trio(session_id("run-a", 2))
+    round2[2].receive_boxes({1: boxes1[1][2]})  # a round-1 box replayed into round 2
+    assert 1 in round2[2].rejected and 1 not in round2[2].received
+    round1[3].receive_boxes({1: boxes1[1][2]})  # the box for slot 2 redirected to slot 3
+    assert 1 in round1[3].rejected
+    round1[2].receive_boxes({1: boxes1[1][2]})  # delivered as addressed
+    assert 1 in round1[2].received and not round1[2].rejected
+
+
+def test_client_refuses_to_reveal_both_secrets_of_one_factory():
+    client = SecAggClient(b"s", 1, 2)
+    client.share_keys([2, 3], [SecAggClient(b"s", 2, 2).advertise()["enc-pk"]] * 2, [SecAggClient(b"s", 3, 2).advertise()["mask-pk"]] * 2)
+    with pytest.raises(SecAggProtocolError, match="both"):
+        client.unmask([1, 2], [2])
+    client.unmask([1, 2, 3], [])
+    with pytest.raises(SecAggProtocolError, match="already answered"):
+        client.unmask([1, 2, 3], [])
+
+
+def test_replayed_session_setup_is_refused():
+    sessions = SecAggSessions()
+    sessions.start(b"run|1|fedavg", 1, 2)
+    with pytest.raises(SecAggProtocolError, match="replayed"):
+        sessions.start(b"run|1|fedavg", 1, 2)
+    with pytest.raises(SecAggProtocolError, match="unknown"):
+        sessions.get(b"run|2|fedavg")
+
+
+def test_a_single_masked_vector_looks_uniform():
+    """What the server holds per factory: a masked vector, indistinguishable from uniform in Z_2^64."""
+    inputs = {u: np.full(20000, 7.0) for u in (1, 2, 3)}  # highly structured inputs
+    session = b"u|1|fedavg"
+    server = SecureSum(session, [1, 2, 3], 2, 2)
+    clients = {u: SecAggClient(session, u, 2) for u in inputs}
+    plan = server.add_public_keys({u: tuple(clients[u].advertise().values()) for u in inputs})
+    routed = server.add_share_boxes({u: clients[u].share_keys(*plan[u]) for u in inputs})
+    clients[1].receive_boxes(routed[1])
+    masked = clients[1].mask(quantize.encode(inputs[1]), server.u2)
+    # chi-square over the 256 values of every byte of the masked words
+    counts = np.bincount(masked.view(np.uint8), minlength=256)
+    expected = len(masked) * 8 / 256
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 340  # 255 dof: p ~ 0.0003 threshold
+    # and each bit is set about half the time
+    bits = np.unpackbits(masked.view(np.uint8)).mean()
+    assert abs(bits - 0.5) < 0.005
+
+
+def test_mask_expansion_is_deterministic_and_keyed():
+    key = bytes(range(32))
+    a, b = expand_mask(key, 1000), expand_mask(key, 1000)
+    assert np.array_equal(a, b) and a.dtype == np.uint64
+    assert not np.array_equal(a, expand_mask(bytes(32), 1000))
+
+
+def test_shamir_known_vectors_and_threshold():
+    secret = bytes(range(32))
+    shares = share_secret(secret, 3, 5)
+    assert [i for i, _ in shares] == [1, 2, 3, 4, 5]
+    assert recover_secret(shares[:3]) == secret and recover_secret(shares[2:]) == secret
+    assert recover_secret(shares[:2]) != secret
+
+
+def test_neighbour_graph_is_regular_and_symmetric():
+    g = neighbour_graph(list(range(1, 21)), 6)
+    assert all(len(vs) == 6 for vs in g.values())
+    assert all(u in g[v] for u, vs in g.items() for v in vs)
+
+
+def test_quantization_roundtrip_and_clipping():
+    x = np.array([1.5, -2.25, 0.0, 1e-7])
+    np.testing.assert_allclose(quantize.decode(quantize.encode(x)), x, atol=quantize.error_bound(1))
+    clipped, norm = quantize.clip_l2(np.array([3.0, 4.0]), 1.0)
+    assert norm == 5.0 and np.isclose(np.linalg.norm(clipped), 1.0)
+    with pytest.raises(OverflowError):
+        quantize.encode(np.array([np.inf]))
