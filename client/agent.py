@@ -20,9 +20,12 @@ from client.config import AgentConfig
 from client.dp import DPConfigError
 from client.privacy import BudgetExhausted
 from client.trainer import FactoryTrainer
+from client.secagg import SecAggProtocolError, SecAggSessions
 from client.workers import WorkerGroupError
 from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
-from common.tensors import UpdateError, from_tensors, to_tensors
+from common.secagg.update import encode_update
+from common.secagg.wire import from_values, to_values
+from common.tensors import UpdateError, from_tensors, to_tensor, to_tensors
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +42,46 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
 
     def __init__(self, trainer: FactoryTrainer) -> None:
         self.trainer = trainer
+        self.sessions = SecAggSessions()
         self._lock = threading.Lock()
 
     def Train(self, request: edge_pb2.TrainRequest, context: grpc.ServicerContext) -> edge_pb2.TrainReply:
         with self._lock, _status_on_error(context, "train"):
-            weights, n, metrics = self.trainer.train(from_tensors(request.weights), _config(request.config), request.server_round, request.run_id)
-            log.info("round %d: trained on %d examples, loss %.4f", request.server_round, n, metrics["train-loss"])
-            return edge_pb2.TrainReply(factory_id=self.trainer.cfg.factory_id, weights=to_tensors(weights), num_examples=n, metrics=metrics)
+            secure = from_values(request.secagg) if request.secagg else None
+            session = self.sessions.get(secure["session"].encode()) if secure else None  # before training: fail fast
+            global_weights = from_tensors(request.weights)
+            weights, n, metrics = self.trainer.train(global_weights, _config(request.config), request.server_round, request.run_id)
+            log.info("round %d: trained on %d examples, loss %.4f%s", request.server_round, n, metrics["train-loss"], " (secure)" if secure else "")
+            factory_id = self.trainer.cfg.factory_id
+            if session is None:
+                return edge_pb2.TrainReply(factory_id=factory_id, weights=to_tensors(weights), num_examples=n, metrics=metrics)
+            # Secure round: only the masked, clipped, fixed-point update leaves the agent.
+            session.receive_boxes(dict(zip(secure["from"], secure["boxes"])))
+            encoded, norm = encode_update(global_weights, weights, n, secure["clip"], secure["scale"], int(secure["max-weight"]))
+            masked = session.mask(encoded, list(secure["alive"]))
+            metrics["update-norm"] = norm
+            return edge_pb2.TrainReply(factory_id=factory_id, masked=to_tensor("masked", masked), metrics=metrics)
         return edge_pb2.TrainReply()  # unreachable: context.abort raised
+
+    def SecAgg(self, request: edge_pb2.SecAggRequest, context: grpc.ServicerContext) -> edge_pb2.SecAggReply:
+        with self._lock, _status_on_error(context, f"secagg {request.stage}"):
+            f = from_values(request.fields)
+            session = str(f.get("session", "")).encode()
+            if request.stage == "advertise":
+                out: dict = self.sessions.start(session, int(f["slot"]), int(f["threshold"])).advertise()
+            elif request.stage == "share":
+                boxes = self.sessions.get(session).share_keys(list(f["neighbors"]), list(f["enc-pks"]), list(f["mask-pks"]))
+                out = {"to": list(boxes), "boxes": list(boxes.values())}
+            elif request.stage == "unmask":
+                seeds, keys = self.sessions.get(session).unmask(list(f["survivors"]), list(f["dropped"]))
+                out = {
+                    "seed-slots": list(seeds), "seed-index": [i for i, _ in seeds.values()], "seed-shares": [s for _, s in seeds.values()],
+                    "key-slots": list(keys), "key-index": [i for i, _ in keys.values()], "key-shares": [s for _, s in keys.values()],
+                }
+            else:
+                raise SecAggProtocolError(f"unknown secure-aggregation stage {request.stage!r}")
+            return edge_pb2.SecAggReply(factory_id=self.trainer.cfg.factory_id, fields=to_values(out))
+        return edge_pb2.SecAggReply()
 
     def Evaluate(self, request: edge_pb2.EvaluateRequest, context: grpc.ServicerContext) -> edge_pb2.EvaluateReply:
         with self._lock, _status_on_error(context, "evaluate"):
@@ -81,7 +116,7 @@ class _status_on_error:
         if isinstance(exc, (BudgetExhausted, DPConfigError)):
             log.warning("%s refused: %s", self.what, exc)
             self.context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        if isinstance(exc, UpdateError):
+        if isinstance(exc, (UpdateError, SecAggProtocolError, KeyError)):
             log.warning("%s refused: %s", self.what, exc)
             self.context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         log.exception("%s failed", self.what)

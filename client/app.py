@@ -17,7 +17,8 @@ from flwr.clientapp import ClientApp
 from google.protobuf import struct_pb2
 
 from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
-from common.tensors import from_tensors, to_tensors
+from common.secagg.wire import from_values, to_values
+from common.tensors import from_tensor, from_tensors, to_tensors
 
 app = ClientApp()
 
@@ -83,10 +84,15 @@ def _call(context: Context, rpc: str, request: Any) -> Any:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     tensors, config, server_round = _request_parts(msg)
-    request = edge_pb2.TrainRequest(run_id=str(context.run_id), server_round=server_round, weights=tensors, config=config)
+    secagg = to_values(dict(msg.content["secagg"])) if "secagg" in msg.content else {}
+    request = edge_pb2.TrainRequest(run_id=str(context.run_id), server_round=server_round, weights=tensors, config=config, secagg=secagg)
     reply = _call(context, "Train", request)
-    arrays = ArrayRecord(OrderedDict((name, Array(arr)) for name, arr in from_tensors(reply.weights).items()))
-    metrics = MetricRecord({**dict(reply.metrics), "num-examples": int(reply.num_examples)})
+    if reply.HasField("masked"):  # secure round: the masked vector is all that leaves the factory
+        arrays = ArrayRecord(OrderedDict(masked=Array(from_tensor(reply.masked))))
+        metrics = MetricRecord(dict(reply.metrics))
+    else:
+        arrays = ArrayRecord(OrderedDict((name, Array(arr)) for name, arr in from_tensors(reply.weights).items()))
+        metrics = MetricRecord({**dict(reply.metrics), "num-examples": int(reply.num_examples)})
     content = RecordDict({"arrays": arrays, "metrics": metrics, "info": ConfigRecord({"factory-id": reply.factory_id})})
     return Message(content=content, reply_to=msg)
 
@@ -99,3 +105,16 @@ def evaluate(msg: Message, context: Context) -> Message:
     metrics = MetricRecord({**dict(reply.metrics), "num-examples": int(reply.num_examples)})
     content = RecordDict({"metrics": metrics, "info": ConfigRecord({"factory-id": reply.factory_id})})
     return Message(content=content, reply_to=msg)
+
+
+def _secagg_stage(stage: str):  # type: ignore[no-untyped-def]
+    def handle(msg: Message, context: Context) -> Message:
+        request = edge_pb2.SecAggRequest(run_id=str(context.run_id), stage=stage, fields=to_values(dict(msg.content["secagg"])))
+        reply = _call(context, "SecAgg", request)
+        content = RecordDict({"secagg": ConfigRecord(from_values(reply.fields)), "info": ConfigRecord({"factory-id": reply.factory_id})})
+        return Message(content=content, reply_to=msg)
+    return handle
+
+
+for _stage in ("advertise", "share", "unmask"):
+    app.query(f"secagg_{_stage}")(_secagg_stage(_stage))

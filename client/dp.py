@@ -67,6 +67,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Dat
     """
     from opacus import PrivacyEngine
 
+    model.train()  # Opacus validates the module in training mode
     engine = PrivacyEngine(accountant="rdp")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*[Ss]ecure.*")

@@ -41,19 +41,20 @@ console = Console(stderr=True)
 @click.option("--min-factories", default=None, type=click.IntRange(1), help="Abort a round below this many good updates (default: factories - 1, at least 1).")
 @click.option("--round-timeout", default=300.0, type=float, help="Seconds to wait for factories in a round.")
 @click.option("--lr", default=1e-3, type=float, help="Local learning rate.")
+@click.option("--secure/--no-secure", default=True, help="Secure aggregation (SecAgg+): the server learns only the sum.")
 @click.option("--dp/--no-dp", default=False, help="Factories train with DP-SGD under their own privacy budget.")
 @click.option("--epsilon", default=8.0, type=float, help="With --dp: each factory's privacy budget epsilon_max.")
 @click.option("--parallelism", default="none", type=click.Choice(["none", "ddp", "fsdp"]), help="Local training in a DDP/FSDP worker group.")
 @click.option("--local-world-size", default=1, type=click.IntRange(1), help="Ranks per factory with --parallelism ddp|fsdp.")
 def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str, json_path: str | None, architecture: str,
-         train_size: int, alpha: float, min_factories: int | None, round_timeout: float, lr: float, dp: bool, epsilon: float,
+         train_size: int, alpha: float, min_factories: int | None, round_timeout: float, lr: float, secure: bool, dp: bool, epsilon: float,
          parallelism: str, local_world_size: int) -> None:
     """Run a local demo federation over real Flower processes on 127.0.0.1."""
     t_start = time.perf_counter()
     root = Path(workdir).resolve()
     root.mkdir(parents=True, exist_ok=True)
     run_config: dict[str, Any] = {
-        "round-timeout": round_timeout, "architecture": architecture, "local-epochs": local_epochs, "lr": lr,
+        "round-timeout": round_timeout, "architecture": architecture, "local-epochs": local_epochs, "lr": lr, "secure-aggregation": secure,
         **({"min-factories": min_factories} if min_factories else {}),
     }
     with ProcessSet(root / "logs") as procs:
@@ -123,7 +124,8 @@ def follow_run(registry: Registry, run_id: str, rounds: int, home: Path, flwr_ru
         ],
         "initial_accuracy": versions[0].metrics.get("accuracy") if versions else None,
         "final_accuracy": completed[-1].accuracy if completed else None,
-        "versions": [{"id": v.id, "round": v.server_round, "kind": v.kind, "parent": v.parent_id, "sha256": v.sha256, "privacy": v.privacy}
+        "versions": [{"id": v.id, "round": v.server_round, "kind": v.kind, "parent": v.parent_id, "sha256": v.sha256, "privacy": v.privacy,
+                      "secure_aggregation": v.secure_aggregation}
                      for v in versions],
         "registry": str(registry.artifacts.root.parent),
     }

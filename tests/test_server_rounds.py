@@ -99,7 +99,8 @@ def _task_identity():
 
 
 def _config(tmp_path, **kw):
-    return FederationConfig(num_server_rounds=1, test_size=60, wait_for_factories=5, round_timeout=2, registry_dir=str(tmp_path), **kw)
+    return FederationConfig(num_server_rounds=1, test_size=60, wait_for_factories=5, round_timeout=2, registry_dir=str(tmp_path),
+                            secure_aggregation=False, **kw)
 
 
 def test_nan_and_wrong_shape_updates_are_excluded_by_name(tmp_path, caplog):

@@ -26,39 +26,61 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66\x65\x64\x66orge/v1/edge.proto\x12\x0b\x66\x65\x64\x66orge.v1\x1a\x1cgoogle/protobuf/struct.proto\"B\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x83\x01\n\x0cTrainRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x14\n\x0cserver_round\x18\x02 \x01(\x05\x12$\n\x07weights\x18\x03 \x03(\x0b\x32\x13.fedforge.v1.Tensor\x12\'\n\x06\x63onfig\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\"\xc3\x01\n\nTrainReply\x12\x12\n\nfactory_id\x18\x01 \x01(\t\x12$\n\x07weights\x18\x02 \x03(\x0b\x32\x13.fedforge.v1.Tensor\x12\x14\n\x0cnum_examples\x18\x03 \x01(\x03\x12\x35\n\x07metrics\x18\x04 \x03(\x0b\x32$.fedforge.v1.TrainReply.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x86\x01\n\x0f\x45valuateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x14\n\x0cserver_round\x18\x02 \x01(\x05\x12$\n\x07weights\x18\x03 \x03(\x0b\x32\x13.fedforge.v1.Tensor\x12\'\n\x06\x63onfig\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\"\xa3\x01\n\rEvaluateReply\x12\x12\n\nfactory_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_examples\x18\x02 \x01(\x03\x12\x38\n\x07metrics\x18\x03 \x03(\x0b\x32\'.fedforge.v1.EvaluateReply.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x0f\n\rHealthRequest\"\x80\x02\n\x0bHealthReply\x12\x12\n\nfactory_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x14\n\x0cnum_examples\x18\x03 \x01(\x03\x12\x13\n\x0b\x64\x61ta_source\x18\x04 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x05 \x01(\x01\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12\x15\n\rskipped_files\x18\x07 \x03(\t\x12\x36\n\x07privacy\x18\x08 \x03(\x0b\x32%.fedforge.v1.HealthReply.PrivacyEntry\x1a.\n\x0cPrivacyEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xce\x01\n\tEdgeAgent\x12;\n\x05Train\x12\x19.fedforge.v1.TrainRequest\x1a\x17.fedforge.v1.TrainReply\x12\x44\n\x08\x45valuate\x12\x1c.fedforge.v1.EvaluateRequest\x1a\x1a.fedforge.v1.EvaluateReply\x12>\n\x06Health\x12\x1a.fedforge.v1.HealthRequest\x1a\x18.fedforge.v1.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66\x65\x64\x66orge/v1/edge.proto\x12\x0b\x66\x65\x64\x66orge.v1\x1a\x1cgoogle/protobuf/struct.proto\"B\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x9d\x01\n\x05Value\x12\r\n\x03int\x18\x01 \x01(\x03H\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x0e\n\x04real\x18\x03 \x01(\x01H\x00\x12$\n\x04ints\x18\x04 \x01(\x0b\x32\x14.fedforge.v1.IntListH\x00\x12\'\n\x05\x62lobs\x18\x05 \x01(\x0b\x32\x16.fedforge.v1.BytesListH\x00\x12\x0e\n\x04text\x18\x06 \x01(\tH\x00\x42\x06\n\x04kind\"\x19\n\x07IntList\x12\x0e\n\x06values\x18\x01 \x03(\x03\"\x1b\n\tBytesList\x12\x0e\n\x06values\x18\x01 \x03(\x0c\"\xfd\x01\n\x0cTrainRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x14\n\x0cserver_round\x18\x02 \x01(\x05\x12$\n\x07weights\x18\x03 \x03(\x0b\x32\x13.fedforge.v1.Tensor\x12\'\n\x06\x63onfig\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x35\n\x06secagg\x18\x05 \x03(\x0b\x32%.fedforge.v1.TrainRequest.SecaggEntry\x1a\x41\n\x0bSecaggEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.fedforge.v1.Value:\x02\x38\x01\"\xe8\x01\n\nTrainReply\x12\x12\n\nfactory_id\x18\x01 \x01(\t\x12$\n\x07weights\x18\x02 \x03(\x0b\x32\x13.fedforge.v1.Tensor\x12\x14\n\x0cnum_examples\x18\x03 \x01(\x03\x12\x35\n\x07metrics\x18\x04 \x03(\x0b\x32$.fedforge.v1.TrainReply.MetricsEntry\x12#\n\x06masked\x18\x05 \x01(\x0b\x32\x13.fedforge.v1.Tensor\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xbf\x01\n\rSecAggRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x14\n\x0cserver_round\x18\x02 \x01(\x05\x12\r\n\x05stage\x18\x03 \x01(\t\x12\x36\n\x06\x66ields\x18\x04 \x03(\x0b\x32&.fedforge.v1.SecAggRequest.FieldsEntry\x1a\x41\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.fedforge.v1.Value:\x02\x38\x01\"\x9a\x01\n\x0bSecAggReply\x12\x12\n\nfactory_id\x18\x01 \x01(\t\x12\x34\n\x06\x66ields\x18\x02 \x03(\x0b\x32$.fedforge.v1.SecAggReply.FieldsEntry\x1a\x41\n\x0b\x46ieldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.fedforge.v1.Value:\x02\x38\x01\"\x86\x01\n\x0f\x45valuateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x14\n\x0cserver_round\x18\x02 \x01(\x05\x12$\n\x07weights\x18\x03 \x03(\x0b\x32\x13.fedforge.v1.Tensor\x12\'\n\x06\x63onfig\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\"\xa3\x01\n\rEvaluateReply\x12\x12\n\nfactory_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_examples\x18\x02 \x01(\x03\x12\x38\n\x07metrics\x18\x03 \x03(\x0b\x32\'.fedforge.v1.EvaluateReply.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x0f\n\rHealthRequest\"\x80\x02\n\x0bHealthReply\x12\x12\n\nfactory_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x14\n\x0cnum_examples\x18\x03 \x01(\x03\x12\x13\n\x0b\x64\x61ta_source\x18\x04 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x05 \x01(\x01\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12\x15\n\rskipped_files\x18\x07 \x03(\t\x12\x36\n\x07privacy\x18\x08 \x03(\x0b\x32%.fedforge.v1.HealthReply.PrivacyEntry\x1a.\n\x0cPrivacyEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\x8e\x02\n\tEdgeAgent\x12;\n\x05Train\x12\x19.fedforge.v1.TrainRequest\x1a\x17.fedforge.v1.TrainReply\x12\x44\n\x08\x45valuate\x12\x1c.fedforge.v1.EvaluateRequest\x1a\x1a.fedforge.v1.EvaluateReply\x12>\n\x06Health\x12\x1a.fedforge.v1.HealthRequest\x1a\x18.fedforge.v1.HealthReply\x12>\n\x06SecAgg\x12\x1a.fedforge.v1.SecAggRequest\x1a\x18.fedforge.v1.SecAggReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fedforge.v1.edge_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_TRAINREQUEST_SECAGGENTRY']._loaded_options = None
+  _globals['_TRAINREQUEST_SECAGGENTRY']._serialized_options = b'8\001'
   _globals['_TRAINREPLY_METRICSENTRY']._loaded_options = None
   _globals['_TRAINREPLY_METRICSENTRY']._serialized_options = b'8\001'
+  _globals['_SECAGGREQUEST_FIELDSENTRY']._loaded_options = None
+  _globals['_SECAGGREQUEST_FIELDSENTRY']._serialized_options = b'8\001'
+  _globals['_SECAGGREPLY_FIELDSENTRY']._loaded_options = None
+  _globals['_SECAGGREPLY_FIELDSENTRY']._serialized_options = b'8\001'
   _globals['_EVALUATEREPLY_METRICSENTRY']._loaded_options = None
   _globals['_EVALUATEREPLY_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_HEALTHREPLY_PRIVACYENTRY']._loaded_options = None
   _globals['_HEALTHREPLY_PRIVACYENTRY']._serialized_options = b'8\001'
   _globals['_TENSOR']._serialized_start=69
   _globals['_TENSOR']._serialized_end=135
-  _globals['_TRAINREQUEST']._serialized_start=138
-  _globals['_TRAINREQUEST']._serialized_end=269
-  _globals['_TRAINREPLY']._serialized_start=272
-  _globals['_TRAINREPLY']._serialized_end=467
-  _globals['_TRAINREPLY_METRICSENTRY']._serialized_start=421
-  _globals['_TRAINREPLY_METRICSENTRY']._serialized_end=467
-  _globals['_EVALUATEREQUEST']._serialized_start=470
-  _globals['_EVALUATEREQUEST']._serialized_end=604
-  _globals['_EVALUATEREPLY']._serialized_start=607
-  _globals['_EVALUATEREPLY']._serialized_end=770
-  _globals['_EVALUATEREPLY_METRICSENTRY']._serialized_start=421
-  _globals['_EVALUATEREPLY_METRICSENTRY']._serialized_end=467
-  _globals['_HEALTHREQUEST']._serialized_start=772
-  _globals['_HEALTHREQUEST']._serialized_end=787
-  _globals['_HEALTHREPLY']._serialized_start=790
-  _globals['_HEALTHREPLY']._serialized_end=1046
-  _globals['_HEALTHREPLY_PRIVACYENTRY']._serialized_start=1000
-  _globals['_HEALTHREPLY_PRIVACYENTRY']._serialized_end=1046
-  _globals['_EDGEAGENT']._serialized_start=1049
-  _globals['_EDGEAGENT']._serialized_end=1255
+  _globals['_VALUE']._serialized_start=138
+  _globals['_VALUE']._serialized_end=295
+  _globals['_INTLIST']._serialized_start=297
+  _globals['_INTLIST']._serialized_end=322
+  _globals['_BYTESLIST']._serialized_start=324
+  _globals['_BYTESLIST']._serialized_end=351
+  _globals['_TRAINREQUEST']._serialized_start=354
+  _globals['_TRAINREQUEST']._serialized_end=607
+  _globals['_TRAINREQUEST_SECAGGENTRY']._serialized_start=542
+  _globals['_TRAINREQUEST_SECAGGENTRY']._serialized_end=607
+  _globals['_TRAINREPLY']._serialized_start=610
+  _globals['_TRAINREPLY']._serialized_end=842
+  _globals['_TRAINREPLY_METRICSENTRY']._serialized_start=796
+  _globals['_TRAINREPLY_METRICSENTRY']._serialized_end=842
+  _globals['_SECAGGREQUEST']._serialized_start=845
+  _globals['_SECAGGREQUEST']._serialized_end=1036
+  _globals['_SECAGGREQUEST_FIELDSENTRY']._serialized_start=971
+  _globals['_SECAGGREQUEST_FIELDSENTRY']._serialized_end=1036
+  _globals['_SECAGGREPLY']._serialized_start=1039
+  _globals['_SECAGGREPLY']._serialized_end=1193
+  _globals['_SECAGGREPLY_FIELDSENTRY']._serialized_start=971
+  _globals['_SECAGGREPLY_FIELDSENTRY']._serialized_end=1036
+  _globals['_EVALUATEREQUEST']._serialized_start=1196
+  _globals['_EVALUATEREQUEST']._serialized_end=1330
+  _globals['_EVALUATEREPLY']._serialized_start=1333
+  _globals['_EVALUATEREPLY']._serialized_end=1496
+  _globals['_EVALUATEREPLY_METRICSENTRY']._serialized_start=796
+  _globals['_EVALUATEREPLY_METRICSENTRY']._serialized_end=842
+  _globals['_HEALTHREQUEST']._serialized_start=1498
+  _globals['_HEALTHREQUEST']._serialized_end=1513
+  _globals['_HEALTHREPLY']._serialized_start=1516
+  _globals['_HEALTHREPLY']._serialized_end=1772
+  _globals['_HEALTHREPLY_PRIVACYENTRY']._serialized_start=1726
+  _globals['_HEALTHREPLY_PRIVACYENTRY']._serialized_end=1772
+  _globals['_EDGEAGENT']._serialized_start=1775
+  _globals['_EDGEAGENT']._serialized_end=2045
 # @@protoc_insertion_point(module_scope)

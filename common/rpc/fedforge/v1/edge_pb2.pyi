@@ -19,20 +19,57 @@ class Tensor(_message.Message):
     data: bytes
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class Value(_message.Message):
+    __slots__ = ("int", "data", "real", "ints", "blobs", "text")
+    INT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    REAL_FIELD_NUMBER: _ClassVar[int]
+    INTS_FIELD_NUMBER: _ClassVar[int]
+    BLOBS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    int: int
+    data: bytes
+    real: float
+    ints: IntList
+    blobs: BytesList
+    text: str
+    def __init__(self, int: _Optional[int] = ..., data: _Optional[bytes] = ..., real: _Optional[float] = ..., ints: _Optional[_Union[IntList, _Mapping]] = ..., blobs: _Optional[_Union[BytesList, _Mapping]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class IntList(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, values: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BytesList(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, values: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
 class TrainRequest(_message.Message):
-    __slots__ = ("run_id", "server_round", "weights", "config")
+    __slots__ = ("run_id", "server_round", "weights", "config", "secagg")
+    class SecaggEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Value
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Value, _Mapping]] = ...) -> None: ...
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SERVER_ROUND_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     server_round: int
     weights: _containers.RepeatedCompositeFieldContainer[Tensor]
     config: _struct_pb2.Struct
-    def __init__(self, run_id: _Optional[str] = ..., server_round: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    secagg: _containers.MessageMap[str, Value]
+    def __init__(self, run_id: _Optional[str] = ..., server_round: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., secagg: _Optional[_Mapping[str, Value]] = ...) -> None: ...
 
 class TrainReply(_message.Message):
-    __slots__ = ("factory_id", "weights", "num_examples", "metrics")
+    __slots__ = ("factory_id", "weights", "num_examples", "metrics", "masked")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -44,11 +81,47 @@ class TrainReply(_message.Message):
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    MASKED_FIELD_NUMBER: _ClassVar[int]
     factory_id: str
     weights: _containers.RepeatedCompositeFieldContainer[Tensor]
     num_examples: int
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, factory_id: _Optional[str] = ..., weights: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., num_examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    masked: Tensor
+    def __init__(self, factory_id: _Optional[str] = ..., weights: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., num_examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., masked: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class SecAggRequest(_message.Message):
+    __slots__ = ("run_id", "server_round", "stage", "fields")
+    class FieldsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Value
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Value, _Mapping]] = ...) -> None: ...
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    server_round: int
+    stage: str
+    fields: _containers.MessageMap[str, Value]
+    def __init__(self, run_id: _Optional[str] = ..., server_round: _Optional[int] = ..., stage: _Optional[str] = ..., fields: _Optional[_Mapping[str, Value]] = ...) -> None: ...
+
+class SecAggReply(_message.Message):
+    __slots__ = ("factory_id", "fields")
+    class FieldsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Value
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Value, _Mapping]] = ...) -> None: ...
+    FACTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    factory_id: str
+    fields: _containers.MessageMap[str, Value]
+    def __init__(self, factory_id: _Optional[str] = ..., fields: _Optional[_Mapping[str, Value]] = ...) -> None: ...
 
 class EvaluateRequest(_message.Message):
     __slots__ = ("run_id", "server_round", "weights", "config")

@@ -50,6 +50,11 @@ class EdgeAgentStub:
                 request_serializer=fedforge_dot_v1_dot_edge__pb2.HealthRequest.SerializeToString,
                 response_deserializer=fedforge_dot_v1_dot_edge__pb2.HealthReply.FromString,
                 _registered_method=True)
+        self.SecAgg = channel.unary_unary(
+                '/fedforge.v1.EdgeAgent/SecAgg',
+                request_serializer=fedforge_dot_v1_dot_edge__pb2.SecAggRequest.SerializeToString,
+                response_deserializer=fedforge_dot_v1_dot_edge__pb2.SecAggReply.FromString,
+                _registered_method=True)
 
 
 class EdgeAgentServicer:
@@ -73,6 +78,12 @@ class EdgeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SecAgg(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EdgeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -90,6 +101,11 @@ def add_EdgeAgentServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=fedforge_dot_v1_dot_edge__pb2.HealthRequest.FromString,
                     response_serializer=fedforge_dot_v1_dot_edge__pb2.HealthReply.SerializeToString,
+            ),
+            'SecAgg': grpc.unary_unary_rpc_method_handler(
+                    servicer.SecAgg,
+                    request_deserializer=fedforge_dot_v1_dot_edge__pb2.SecAggRequest.FromString,
+                    response_serializer=fedforge_dot_v1_dot_edge__pb2.SecAggReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -173,6 +189,33 @@ class EdgeAgent:
             '/fedforge.v1.EdgeAgent/Health',
             fedforge_dot_v1_dot_edge__pb2.HealthRequest.SerializeToString,
             fedforge_dot_v1_dot_edge__pb2.HealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SecAgg(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedforge.v1.EdgeAgent/SecAgg',
+            fedforge_dot_v1_dot_edge__pb2.SecAggRequest.SerializeToString,
+            fedforge_dot_v1_dot_edge__pb2.SecAggReply.FromString,
             options,
             channel_credentials,
             insecure,
