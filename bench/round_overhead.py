@@ -32,7 +32,7 @@ def fedforge_rounds(root: Path, factories: int, rounds: int, architecture: str) 
     with ProcessSet(root / "logs") as procs:
         fed = LocalFederation(root, procs, num_factories=factories)
         fed.start()
-        run_id = "run-" + fed.submit(fed.run_config(rounds, **{"local-epochs": 0, "architecture": architecture, "min-factories": factories}))
+        run_id = "run-" + fed.submit(fed.run_config(rounds, **{"local-epochs": 0, "architecture": architecture, "min-factories": factories, "secure-aggregation": False}))
         registry = Registry.at(fed.registry_dir)
         while (run := registry.get_run(run_id)) is None or run.status == "running":
             time.sleep(0.5)

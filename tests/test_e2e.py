@@ -38,6 +38,7 @@ def test_demo_runs_a_federation_and_cleans_up(tmp_path, no_leftover_processes):
     versions = registry.versions(summary["run_id"])
     assert [v.kind for v in versions] == ["initial", "fedavg", "fedavg"]
     assert [v.parent_id for v in versions[1:]] == [v.id for v in versions[:-1]]
+    assert [v.secure_aggregation for v in versions] == [False, True, True]  # secure aggregation is the default
     for v in versions:
         assert hashlib.sha256(registry.artifacts.path_for(v.sha256).read_bytes()).hexdigest() == v.sha256
     assert "final accuracy" in proc.stderr
@@ -89,3 +90,23 @@ def test_demo_with_dp_and_ddp(tmp_path, no_leftover_processes):
         spent = [p[factory]["epsilon-spent"] for p in privacy]
         assert 0 < spent[0] < spent[1] <= 8.0  # grows per round, within the budget
         assert privacy[-1][factory]["epsilon-max"] == 8.0
+
+
+def _demo(tmp_path, name: str, *flags: str) -> dict:
+    path = tmp_path / f"{name}.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "common.cli", "demo", "--factories", "3", "--rounds", "2", "--train-size", "300",
+         "--workdir", str(tmp_path / name), "--json", str(path), *flags],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(path.read_text())
+
+
+def test_secure_aggregation_reaches_the_same_accuracy_as_plain(tmp_path, no_leftover_processes):
+    secure = _demo(tmp_path, "secure")
+    plain = _demo(tmp_path, "plain", "--no-secure")
+    assert [v["secure_aggregation"] for v in secure["versions"][1:]] == [True, True]
+    assert [v["secure_aggregation"] for v in plain["versions"][1:]] == [False, False]
+    # same seeds, data and training: only fixed-point rounding (2^-24) and clipping differ
+    assert abs(secure["final_accuracy"] - plain["final_accuracy"]) <= 0.03, (secure["final_accuracy"], plain["final_accuracy"])

@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""Secure aggregation costs, as ratios against baselines measured in the same run.
+
+1. Mask expansion throughput: FedForge's ChaCha20 keystream (uint64 words, Z_2^64) vs Flower's
+   `pseudo_rand_gen` (numpy RandomState seeded by a 32-bit fold of the key), same vector sizes.
+2. Secure round / plain round wall time in FedForge over real SuperLink/SuperNode processes
+   (3 factories, same model, data and local epochs; median of rounds 2..N).
+
+    python bench/secagg.py --rounds 3 --local-epochs 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.procs import ProcessSet  # noqa: E402
+from common.secagg.primitives import expand_mask  # noqa: E402
+from server.local import LocalFederation  # noqa: E402
+from server.registry.service import Registry  # noqa: E402
+
+
+def mask_throughput(sizes: list[int]) -> list[dict[str, float]]:
+    from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
+
+    rows = []
+    for n in sizes:
+        seed = os.urandom(32)
+        t_ours = min(_timed(lambda: expand_mask(seed, n)) for _ in range(5))
+        t_flwr = min(_timed(lambda: pseudo_rand_gen(seed, 1 << 31, [(n,)])) for _ in range(5))
+        rows.append({"elements": n, "fedforge_GBps": 8 * n / t_ours / 1e9, "flower_GBps": 8 * n / t_flwr / 1e9, "speedup": t_flwr / t_ours})
+    return rows
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def round_seconds(secure: bool, rounds: int, local_epochs: int, factories: int) -> list[float]:
+    with tempfile.TemporaryDirectory() as tmp, ProcessSet(Path(tmp) / "logs") as procs:
+        fed = LocalFederation(Path(tmp), procs, num_factories=factories)
+        fed.start()
+        run_id = "run-" + fed.submit(fed.run_config(rounds, **{"local-epochs": local_epochs, "secure-aggregation": secure, "min-factories": factories}))
+        registry = Registry.at(fed.registry_dir)
+        while (run := registry.get_run(run_id)) is None or run.status == "running":
+            time.sleep(0.5)
+        return [r.seconds for r in registry.rounds(run_id)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--local-epochs", type=int, default=1)
+    p.add_argument("--factories", type=int, default=3)
+    p.add_argument("--skip-rounds", action="store_true", help="only the mask throughput")
+    a = p.parse_args()
+    rows = mask_throughput([80_662, 1_278_022, 10_000_000])
+    for r in rows:
+        print(f"mask expansion, {r['elements']:>10,} words: FedForge {r['fedforge_GBps']:.2f} GB/s, Flower pseudo_rand_gen "
+              f"{r['flower_GBps']:.2f} GB/s, speed-up {r['speedup']:.1f}x")
+    out = {"mask": rows}
+    if not a.skip_rounds:
+        plain = round_seconds(False, a.rounds, a.local_epochs, a.factories)
+        secure = round_seconds(True, a.rounds, a.local_epochs, a.factories)
+        pm, sm = statistics.median(plain[1:] or plain), statistics.median(secure[1:] or secure)
+        out |= {"plain_round_seconds": plain, "secure_round_seconds": secure, "ratio": sm / pm}
+        print(f"round wall time ({a.factories} factories, {a.local_epochs} local epoch(s)): plain {pm:.2f} s, secure {sm:.2f} s, "
+              f"ratio secure/plain {sm / pm:.2f}")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
