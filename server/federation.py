@@ -111,7 +111,7 @@ class Federation:
         set_torch_threads(cfg.torch_threads)
         self.grid, self.cfg = grid, cfg
         registry_dir = Path(cfg.registry_dir or "fedforge-registry").resolve()
-        self.registry = Registry.at(registry_dir)
+        self.registry = Registry.at(registry_dir, create_key=True)  # every version is signed
         self.run_id = f"run-{flwr_run_id}" if flwr_run_id else f"run-{uuid.uuid4().hex[:12]}"
         self.flwr_run_id = flwr_run_id
         self.factory_of_node: dict[int, str] = {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Integer, String, UniqueConstraint
+from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -70,5 +70,19 @@ class Version(Base):
     secure_aggregation: Mapped[bool] = mapped_column(Boolean, default=False)
     privacy: Mapped[dict[str, Any]] = mapped_column(default=dict)
     code_version: Mapped[str] = mapped_column(String(128), default="")
-    status: Mapped[str] = mapped_column(String(16), default="candidate")
+    status: Mapped[str] = mapped_column(String(16), default="candidate")  # candidate | approved | revoked
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    manifest: Mapped[str] = mapped_column(Text, default="")  # canonical JSON, what the signature covers
+    signature: Mapped[str] = mapped_column(Text, default="")  # {"key_id", "signature"} envelope
+
+
+class Action(Base):
+    """Who did what to which version, and when (approve, revoke, rollback)."""
+
+    __tablename__ = "actions"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    version_id: Mapped[str] = mapped_column(ForeignKey("versions.id"), index=True)
+    action: Mapped[str] = mapped_column(String(16))
+    actor: Mapped[str] = mapped_column(String(128))
+    note: Mapped[str] = mapped_column(String(1000), default="")
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

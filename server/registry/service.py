@@ -15,7 +15,24 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import sessionmaker
 
 from server.registry.artifacts import ArtifactStore, decode_weights, encode_weights
-from server.registry.schema import Base, Round, Run, Version, utcnow
+from common.signing import canonical, create_keypair, load_private, sign
+from server.registry.schema import Action, Base, Round, Run, Version, utcnow
+
+TRANSITIONS = {("candidate", "approved"), ("candidate", "revoked"), ("approved", "revoked"), ("approved", "approved")}
+
+
+class TransitionError(ValueError):
+    """The requested status change is not allowed (e.g. approving a revoked version)."""
+
+
+def manifest_of(v: Version) -> dict[str, Any]:
+    """What the signature covers: everything an edge node needs to trust the weights file."""
+    return {
+        "id": v.id, "run_id": v.run_id, "round": v.server_round, "parent_id": v.parent_id, "kind": v.kind, "architecture": v.architecture,
+        "num_parameters": v.num_parameters, "sha256": v.sha256, "size_bytes": v.size_bytes, "metrics": v.metrics,
+        "participants": v.participants, "secure_aggregation": v.secure_aggregation, "privacy": v.privacy,
+        "code_version": v.code_version, "created_at": v.created_at.isoformat(), "format": "npz",
+    }
 
 
 def code_version() -> str:
@@ -63,19 +80,24 @@ class NewVersion:
 
 
 class Registry:
-    def __init__(self, url: str, artifact_dir: str | Path) -> None:
+    def __init__(self, url: str, artifact_dir: str | Path, signing_key: Any = None) -> None:
         self.engine = make_engine(url)
         Base.metadata.create_all(self.engine)
         self.session = sessionmaker(self.engine, expire_on_commit=False)
         self.artifacts = ArtifactStore(artifact_dir)
+        self.signing_key = signing_key
         self._code_version = code_version()
 
     @classmethod
-    def at(cls, directory: str | Path) -> Registry:
-        """The default layout: ``<dir>/registry.db`` and ``<dir>/artifacts``."""
+    def at(cls, directory: str | Path, create_key: bool = False) -> Registry:
+        """The default layout: ``<dir>/registry.db``, ``<dir>/artifacts`` and ``<dir>/keys/signing.key``."""
         directory = Path(directory).resolve()
         directory.mkdir(parents=True, exist_ok=True)
-        return cls(f"sqlite:///{directory / 'registry.db'}", directory / "artifacts")
+        key_path = directory / "keys" / "signing.key"
+        if create_key and not key_path.exists():
+            create_keypair(key_path.parent)
+        key = load_private(key_path) if key_path.exists() else None
+        return cls(f"sqlite:///{directory / 'registry.db'}", directory / "artifacts", signing_key=key)
 
     # runs and rounds -----------------------------------------------------------------------
     def start_run(self, run_id: str, flwr_run_id: str, config: dict[str, Any]) -> Run:
@@ -116,16 +138,65 @@ class Registry:
             architecture=new.architecture, num_parameters=int(sum(a.size for a in new.weights.values())), sha256=digest,
             size_bytes=len(blob), metrics=new.metrics, participants=new.participants,
             secure_aggregation=new.secure_aggregation, privacy=new.privacy or {}, code_version=self._code_version,
+            created_at=utcnow(),
         )
+        manifest = manifest_of(version)
+        version.manifest = canonical(manifest).decode()
+        version.signature = sign(manifest, self.signing_key) if self.signing_key is not None else ""
         with self.session.begin() as s:
             s.add(version)
         return version
 
-    def versions(self, run_id: str | None = None) -> list[Version]:
+    # status --------------------------------------------------------------------------------
+    def set_status(self, version_id: str, status: str, actor: str, action: str | None = None, note: str = "") -> Version:
+        """Approve or revoke a version, recording who and when; returns the updated version."""
+        if not actor:
+            raise ValueError("every status change names its actor")
+        with self.session.begin() as s:
+            version = s.get(Version, version_id)
+            if version is None:
+                raise KeyError(f"no version {version_id!r} in the registry")
+            if (version.status, status) not in TRANSITIONS:
+                raise TransitionError(f"version {version_id} is {version.status}; it cannot become {status}")
+            version.status = status
+            s.add(Action(version_id=version_id, action=action or {"approved": "approve", "revoked": "revoke"}[status], actor=actor, note=note))
+        return self.get_version(version_id)
+
+    def approve(self, version_id: str, actor: str, note: str = "") -> Version:
+        return self.set_status(version_id, "approved", actor, note=note)
+
+    def revoke(self, version_id: str, actor: str, note: str = "") -> Version:
+        return self.set_status(version_id, "revoked", actor, note=note)
+
+    def rollback(self, version_id: str, actor: str, note: str = "") -> Version:
+        """Make an older version the current approved one again (it must not be revoked)."""
+        return self.set_status(version_id, "approved", actor, action="rollback", note=note)
+
+    def actions(self, after_id: int = 0, version_id: str | None = None) -> list[Action]:
+        with self.session() as s:
+            q = select(Action).where(Action.id > after_id).order_by(Action.id)
+            if version_id is not None:
+                q = q.where(Action.version_id == version_id)
+            return list(s.scalars(q))
+
+    def current_approved(self, architecture: str | None = None) -> Version | None:
+        """The version most recently approved (or rolled back to) that is still approved."""
+        for action in reversed(self.actions()):
+            if action.action in ("approve", "rollback"):
+                v = self.get_version(action.version_id)
+                if v is not None and v.status == "approved" and (architecture is None or v.architecture == architecture):
+                    return v
+        return None
+
+    def versions(self, run_id: str | None = None, status: str | None = None, architecture: str | None = None) -> list[Version]:
         with self.session() as s:
             q = select(Version).order_by(Version.created_at)
             if run_id is not None:
                 q = q.where(Version.run_id == run_id)
+            if status is not None:
+                q = q.where(Version.status == status)
+            if architecture is not None:
+                q = q.where(Version.architecture == architecture)
             return list(s.scalars(q))
 
     def get_version(self, version_id: str) -> Version | None:
