@@ -20,17 +20,36 @@ COMMANDS: dict[str, str] = {
     "demo": "server.demo:demo",
     "server": "server.cli:server",
     "run": "server.cli:run",
+    "keys": "server.models_cli:keys",
     "client": "client.cli:client",
     "agent": "client.cli:agent",
 }
 
+# `fedforge models ...`: central-site operations and edge-side ones under one group.
+MODEL_COMMANDS: dict[str, str] = {
+    "ls": "server.models_cli:models_ls",
+    "approve": "server.models_cli:models_approve",
+    "revoke": "server.models_cli:models_revoke",
+    "rollback": "server.models_cli:models_rollback",
+    "pull": "client.models_cli:models_pull",
+    "verify": "client.models_cli:models_verify",
+}
+
 
 class LazyGroup(click.Group):
+    """A group whose sub-commands are "module:attribute" strings, imported only when used."""
+
+    def __init__(self, *args: Any, commands: dict[str, str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy = commands if commands is not None else COMMANDS
+
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(COMMANDS)
+        return sorted({*self.lazy, *self.commands})
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        target = COMMANDS.get(name)
+        if name in self.commands:
+            return self.commands[name]
+        target = self.lazy.get(name)
         if target is None:
             return None
         module, attr = target.split(":")
@@ -59,6 +78,11 @@ def cli(ctx: click.Context, config_path: str | None, verbose: bool) -> None:
     """FedForge: federated learning for visual inspection across factories."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx.default_map = load_toml_defaults(config_path)
+
+
+@cli.group(cls=LazyGroup, commands=MODEL_COMMANDS)
+def models() -> None:
+    """List, approve, revoke and roll back model versions (central); pull and verify them (edge)."""
 
 
 def main() -> None:

@@ -42,3 +42,32 @@ def no_leftover_processes():
 def _quiet_flower(monkeypatch):
     monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
     monkeypatch.setenv("FEDFORGE_TORCH_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    from tests.pg import PostgresServer
+
+    server = PostgresServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def registry_factory(request, tmp_path):
+    """Make registries on SQLite and on PostgreSQL (the registry suite runs against both)."""
+    from common.signing import create_keypair, load_private
+    from server.registry.service import Registry
+
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'registry.db'}"
+    else:
+        url = request.getfixturevalue("postgres").new_database()
+    key_path, _ = create_keypair(tmp_path / "keys")
+
+    def make() -> Registry:
+        return Registry(url, tmp_path / "artifacts", signing_key=load_private(key_path))
+
+    make.url = url  # type: ignore[attr-defined]
+    make.public_key = tmp_path / "keys" / "signing.pub"  # type: ignore[attr-defined]
+    return make

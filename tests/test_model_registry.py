@@ -19,7 +19,7 @@ from common.signing import (
 )
 from server.registry.grpc_service import serve_registry
 from server.registry.schema import Version
-from server.registry.service import NewVersion, Registry, TransitionError
+from server.registry.service import NewVersion, TransitionError
 
 
 def _new(run="r", rnd=0, parent=None, size=16, value=1.0):
@@ -28,17 +28,17 @@ def _new(run="r", rnd=0, parent=None, size=16, value=1.0):
 
 
 @pytest.fixture
-def central(tmp_path):
-    registry = Registry.at(tmp_path / "registry", create_key=True)
+def central(registry_factory):
+    registry = registry_factory()
     address = f"127.0.0.1:{free_port()}"
     server, stop = serve_registry(registry, address)
-    yield registry, address, load_public(tmp_path / "registry" / "keys" / "signing.pub")
+    yield registry, address, load_public(registry_factory.public_key)
     stop.set()
     server.stop(grace=None).wait()
 
 
-def test_lineage_signatures_and_status_transitions(tmp_path):
-    reg = Registry.at(tmp_path, create_key=True)
+def test_lineage_signatures_and_status_transitions(registry_factory):
+    reg = registry_factory()
     v0 = reg.add_version(_new())
     v1 = reg.add_version(_new(rnd=1, parent=v0.id, value=2.0))
     assert v1.signature and '"sha256"' in v1.manifest and v1.status == "candidate"
@@ -57,21 +57,21 @@ def test_lineage_signatures_and_status_transitions(tmp_path):
         reg.revoke(v1.id, actor="")
 
 
-def test_concurrent_writers_do_not_corrupt_the_registry(tmp_path):
+def test_concurrent_writers_do_not_corrupt_the_registry(registry_factory, tmp_path):
     script = textwrap.dedent(f"""
         import sys
         from collections import OrderedDict
         import numpy as np
         from server.registry.service import NewVersion, Registry
-        reg = Registry.at({str(tmp_path)!r})
+        reg = Registry({registry_factory.url!r}, {str(tmp_path / "artifacts")!r})
         for i in range(15):
             reg.add_version(NewVersion(run_id=sys.argv[1], server_round=i, parent_id=None, kind="fedavg", architecture="cnn-small",
                             weights=OrderedDict(w=np.full(1000, i, np.float32) + float(sys.argv[2])), metrics={{}}, participants=[]))
     """)
-    Registry.at(tmp_path, create_key=True)
+    registry_factory()  # migrate first, as the server does at start-up
     procs = [subprocess.Popen([sys.executable, "-c", script, f"writer-{k}", str(k)]) for k in range(2)]
     assert [p.wait(120) for p in procs] == [0, 0]
-    reg = Registry.at(tmp_path)
+    reg = registry_factory()
     versions = reg.versions()
     assert len(versions) == 30 and len({v.id for v in versions}) == 30
     for v in versions:
@@ -182,7 +182,7 @@ def test_large_model_streams_in_bounded_memory(central, tmp_path):
     script = textwrap.dedent(f"""
         from client.models import ModelClient
         from common.signing import load_public
-        m = ModelClient({address!r}, load_public({str(tmp_path / "registry" / "keys" / "signing.pub")!r}), {str(tmp_path / "edge")!r})
+        m = ModelClient({address!r}, load_public({str(tmp_path / "keys" / "signing.pub")!r}), {str(tmp_path / "edge")!r})
         m.pull({v.id!r})
         # VmHWM, not ru_maxrss: the latter keeps the forking parent's peak across exec
         print([int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM")][0])

@@ -17,8 +17,8 @@ def _new(run="r1", rnd=0, parent=None, kind="initial", v=1.0):
                       weights=_weights(v), metrics={"accuracy": 0.5}, participants=["a"])
 
 
-def test_versions_are_stored_with_lineage_and_sha256(tmp_path):
-    reg = Registry.at(tmp_path)
+def test_versions_are_stored_with_lineage_and_sha256(registry_factory):
+    reg = registry_factory()
     v0 = reg.add_version(_new())
     v1 = reg.add_version(_new(rnd=1, parent=v0.id, kind="fedavg", v=2.0))
     assert [v.id for v in reg.versions("r1")] == [v0.id, v1.id]
@@ -26,11 +26,11 @@ def test_versions_are_stored_with_lineage_and_sha256(tmp_path):
     path = reg.artifacts.path_for(v1.sha256)
     assert hashlib.sha256(path.read_bytes()).hexdigest() == v1.sha256
     assert np.array_equal(reg.load_weights(v1.id)["a"], _weights(2.0)["a"])
-    assert v1.code_version
+    assert v1.code_version and v1.signature
 
 
-def test_corrupted_artifact_is_detected(tmp_path):
-    reg = Registry.at(tmp_path)
+def test_corrupted_artifact_is_detected(registry_factory):
+    reg = registry_factory()
     v = reg.add_version(_new())
     path = reg.artifacts.path_for(v.sha256)
     blob = bytearray(path.read_bytes())
@@ -40,8 +40,8 @@ def test_corrupted_artifact_is_detected(tmp_path):
         reg.load_weights(v.id)
 
 
-def test_no_temporary_files_are_left(tmp_path):
-    reg = Registry.at(tmp_path)
+def test_no_temporary_files_are_left(registry_factory):
+    reg = registry_factory()
     reg.add_version(_new())
     assert not list(reg.artifacts.root.rglob(".tmp-*"))
 
@@ -52,11 +52,34 @@ def test_path_traversal_digest_is_refused(tmp_path):
         reg.artifacts.path_for("../../etc/passwd")
 
 
-def test_runs_and_rounds(tmp_path):
-    reg = Registry.at(tmp_path)
+def test_runs_and_rounds(registry_factory):
+    reg = registry_factory()
     reg.start_run("r1", "1", {"x": 1})
     reg.record_round("r1", 1, status="completed", accuracy=0.4, loss=1.2, participants=["a", "b"], failures={"c": "timeout"}, seconds=3.0)
     reg.finish_run("r1", "finished")
     assert reg.get_run("r1").status == "finished"
     (r,) = reg.rounds("r1")
     assert r.failures == {"c": "timeout"} and r.participants == ["a", "b"]
+
+
+def test_migrations_match_the_models(registry_factory):
+    """The Alembic history produces exactly the schema the ORM models describe."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.runtime.migration import MigrationContext
+
+    from server.registry.schema import Base
+
+    reg = registry_factory()
+    with reg.engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    assert diff == []
+
+
+def test_unknown_schema_is_refused(tmp_path):
+    import sqlite3
+
+    from server.registry.migrate import SchemaError
+
+    sqlite3.connect(tmp_path / "registry.db").execute("CREATE TABLE versions (id TEXT)")
+    with pytest.raises(SchemaError, match="no migration history"):
+        Registry.at(tmp_path)

@@ -16,7 +16,8 @@ from sqlalchemy.orm import sessionmaker
 
 from server.registry.artifacts import ArtifactStore, decode_weights, encode_weights
 from common.signing import canonical, create_keypair, load_private, sign
-from server.registry.schema import Action, Base, Round, Run, Version, utcnow
+from server.registry.migrate import upgrade
+from server.registry.schema import Action, Round, Run, Version, utcnow
 
 TRANSITIONS = {("candidate", "approved"), ("candidate", "revoked"), ("approved", "revoked"), ("approved", "approved")}
 
@@ -82,7 +83,7 @@ class NewVersion:
 class Registry:
     def __init__(self, url: str, artifact_dir: str | Path, signing_key: Any = None) -> None:
         self.engine = make_engine(url)
-        Base.metadata.create_all(self.engine)
+        upgrade(self.engine)  # Alembic: the schema is always at head
         self.session = sessionmaker(self.engine, expire_on_commit=False)
         self.artifacts = ArtifactStore(artifact_dir)
         self.signing_key = signing_key
