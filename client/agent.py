@@ -127,13 +127,15 @@ class _status_on_error:
 class Agent:
     """A running agent: the gRPC server and the trainer (with its worker group) behind it."""
 
-    def __init__(self, server: grpc.Server, trainer: FactoryTrainer) -> None:
-        self.server, self.trainer = server, trainer
+    def __init__(self, server: grpc.Server, trainer: FactoryTrainer, follower: Any = None) -> None:
+        self.server, self.trainer, self.follower = server, trainer, follower
 
     def wait(self) -> None:
         self.server.wait_for_termination()
 
     def stop(self, grace: float | None = 2.0) -> None:
+        if self.follower is not None:
+            self.follower.stop()
         self.server.stop(grace).wait()
         self.trainer.close()
 
@@ -143,8 +145,22 @@ def serve(cfg: AgentConfig) -> Agent:
     trainer = FactoryTrainer(cfg)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
     edge_pb2_grpc.add_EdgeAgentServicer_to_server(EdgeAgentServicer(trainer), server)
+    follower = None
+    if cfg.registry:
+        from pathlib import Path
+
+        from client.inspection import ApprovalFollower, InspectionServicer, ServingModel
+        from client.models import ModelClient
+        from common.signing import load_public
+
+        serving = ServingModel()
+        edge_pb2_grpc.add_InspectionServicer_to_server(InspectionServicer(serving), server)
+        client = ModelClient(cfg.registry, load_public(cfg.registry_public_key), Path(cfg.state_dir) / "models")
+        follower = ApprovalFollower(client, serving)
     if server.add_insecure_port(cfg.listen) == 0 and not cfg.listen.startswith("unix:"):
         raise RuntimeError(f"edge agent could not listen on {cfg.listen}")
     server.start()
-    log.info("edge agent for factory %s serving on %s", cfg.factory_id, cfg.listen)
-    return Agent(server, trainer)
+    if follower is not None:
+        follower.start()
+    log.info("edge agent for factory %s serving on %s%s", cfg.factory_id, cfg.listen, " (with inspection)" if follower else "")
+    return Agent(server, trainer, follower)

@@ -29,6 +29,8 @@ def agent_options(f):  # type: ignore[no-untyped-def]
         click.option("--torch-threads", default=1, type=int, help="torch intra-op threads for training."),
         click.option("--parallelism", default="none", type=click.Choice(["none", "ddp", "fsdp"]), help="Local training across several workers."),
         click.option("--local-world-size", default=1, type=click.IntRange(1), help="Ranks of the DDP/FSDP worker group (GPUs or CPU workers)."),
+        click.option("--registry", default="", help="Central ModelRegistry (host:port): follow approvals and serve Inspection."),
+        click.option("--registry-public-key", default="", help="The central site's signing.pub, pinned: unverifiable models are never loaded."),
         click.option("--state-dir", default="fedforge-factory", type=click.Path(file_okay=False), help="Durable factory state (privacy ledger)."),
         click.option("--dp/--no-dp", default=False, help="Train with DP-SGD (Opacus) under this factory's privacy budget."),
         click.option("--dp-epsilon", default=8.0, type=float, help="Privacy budget epsilon_max over all rounds and runs."),
@@ -48,7 +50,7 @@ def _agent_config(kw: dict) -> AgentConfig:
         return AgentConfig(
             factory_id=kw["factory_id"], listen=kw["agent_listen"], data=kw["data"], factory_index=kw["factory_index"],
             num_factories=kw["num_factories"], data_seed=kw["data_seed"], alpha=kw["alpha"], train_size=kw["train_size"],
-            torch_threads=kw["torch_threads"], parallelism=kw["parallelism"], local_world_size=kw["local_world_size"], state_dir=kw["state_dir"], dp=kw["dp"], dp_epsilon=kw["dp_epsilon"],
+            torch_threads=kw["torch_threads"], registry=kw["registry"], registry_public_key=kw["registry_public_key"], parallelism=kw["parallelism"], local_world_size=kw["local_world_size"], state_dir=kw["state_dir"], dp=kw["dp"], dp_epsilon=kw["dp_epsilon"],
             dp_delta=kw["dp_delta"], dp_max_grad_norm=kw["dp_max_grad_norm"], dp_planned_rounds=kw["dp_planned_rounds"],
             dp_grad_sample_mode=kw["dp_grad_sample_mode"], dp_fix_model=kw["dp_fix_model"],
         ).validated()

@@ -20,7 +20,9 @@ class AgentConfig:
     torch_threads: int = 1
     parallelism: str = "none"  # none | ddp | fsdp
     local_world_size: int = 1  # ranks of the DDP/FSDP worker group
-    state_dir: str = "fedforge-factory"  # durable factory state (the privacy ledger)
+    state_dir: str = "fedforge-factory"  # durable factory state (the privacy ledger, pulled models)
+    registry: str = ""  # the central ModelRegistry (host:port); with it, the agent serves Inspection
+    registry_public_key: str = ""  # the central site's pinned signing.pub
     # Differential privacy: factory-side settings the server cannot change.
     dp: bool = False
     dp_epsilon: float = 8.0
@@ -48,5 +50,7 @@ class AgentConfig:
             raise ValueError(f"--parallelism must be none, ddp or fsdp, got {self.parallelism!r}")
         if self.local_world_size < 1:
             raise ValueError(f"--local-world-size must be >= 1, got {self.local_world_size}")
+        if bool(self.registry) != bool(self.registry_public_key):
+            raise ValueError("--registry and --registry-public-key go together: models are only loaded after verification")
         if not 0.0 <= self.val_fraction < 0.9:
             raise ValueError(f"val_fraction must be in [0, 0.9), got {self.val_fraction}")

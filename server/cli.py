@@ -19,10 +19,18 @@ log = logging.getLogger("fedforge.server")
 @click.option("--host", default="127.0.0.1", help="Address the SuperLink binds (0.0.0.0 to accept factories on the network).")
 @click.option("--port", default=8000, type=int, help="SuperLink port (Fleet, Control and Runtime APIs).")
 @click.option("--insecure/--tls", default=True, help="Plain HTTP (loopback demos only).")
-def server(workdir: str, host: str, port: int, insecure: bool) -> None:
-    """Run the central site: a Flower SuperLink with a durable database, restarted if it dies."""
+@click.option("--registry-listen", default="127.0.0.1:50051", help="ModelRegistry gRPC address ('' to not serve it).")
+def server(workdir: str, host: str, port: int, insecure: bool, registry_listen: str) -> None:
+    """Run the central site: a Flower SuperLink with a durable database (restarted if it dies) and the model registry."""
+    from common.signing import key_id
+    from server.registry.grpc_service import serve_registry
+    from server.registry.service import Registry
+
     root = Path(workdir).resolve()
     root.mkdir(parents=True, exist_ok=True)
+    registry = Registry.at(root / "registry", create_key=True)
+    log.info("registry %s, signing key id %s", root / "registry", key_id(registry.signing_key.public_key()))
+    registry_server = serve_registry(registry, registry_listen)[0] if registry_listen else None
     cmd = launch.superlink_command(root, host, port, insecure=insecure)
     with ProcessSet(root / "logs") as procs:
         try:
@@ -39,6 +47,9 @@ def server(workdir: str, host: str, port: int, insecure: bool) -> None:
                 time.sleep(min(30, 2**restarts))
         except KeyboardInterrupt:
             log.info("stopping the central site")
+        finally:
+            if registry_server is not None:
+                registry_server.stop(grace=1)
 
 
 def parse_overrides(pairs: tuple[str, ...]) -> dict[str, object]:

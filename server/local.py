@@ -45,6 +45,7 @@ class LocalFederation:
     train_size: int = 600
     factory_flags: list[str] = field(default_factory=list)  # extra `fedforge client|agent` flags (e.g. --dp)
     port: int = field(default_factory=free_port)
+    registry_port: int = 0
     factories: list[Factory] = field(default_factory=list)
 
     @property
@@ -53,10 +54,17 @@ class LocalFederation:
 
     @property
     def registry_dir(self) -> Path:
-        return self.root / "registry"
+        return self.root / "central" / "registry"
+
+    @property
+    def registry_address(self) -> str:
+        return f"127.0.0.1:{self.registry_port}"
 
     def start_central(self) -> None:
-        proc = self.procs.start("central", fedforge_command() + ["server", "--workdir", str(self.root / "central"), "--port", str(self.port)])
+        self.registry_port = free_port()
+        proc = self.procs.start("central", fedforge_command() + [
+            "server", "--workdir", str(self.root / "central"), "--port", str(self.port), "--registry-listen", self.registry_address,
+        ])
         wait_for_port("127.0.0.1", self.port, timeout=90, proc=proc)
 
     def _data_flags(self, index: int) -> list[str]:

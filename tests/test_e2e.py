@@ -34,7 +34,7 @@ def test_demo_runs_a_federation_and_cleans_up(tmp_path, no_leftover_processes):
     assert summary["final_accuracy"] > CHANCE + 0.08, summary
     assert summary["wall_seconds"] > 0 and all(r["seconds"] > 0 for r in summary["rounds"])
 
-    registry = Registry.at(tmp_path / "demo" / "registry")
+    registry = Registry.at(tmp_path / "demo" / "central" / "registry")
     versions = registry.versions(summary["run_id"])
     assert [v.kind for v in versions] == ["initial", "fedavg", "fedavg"]
     assert [v.parent_id for v in versions[1:]] == [v.id for v in versions[:-1]]

@@ -38,4 +38,11 @@ def upgrade(engine: Engine) -> None:
                               "it was not created by this FedForge version. Point --registry-dir at a new directory.")
         cfg = _config()
         cfg.attributes["connection"] = connection
-        command.upgrade(cfg, "head")
+        try:
+            command.upgrade(cfg, "head")
+        except Exception:
+            # Another process (the ServerApp, the dashboard) may have migrated the same database
+            # between our check and our upgrade; that is success, anything else is not.
+            with engine.connect() as again:
+                if MigrationContext.configure(again).get_current_revision() != head():
+                    raise

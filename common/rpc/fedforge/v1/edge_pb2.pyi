@@ -182,3 +182,27 @@ class HealthReply(_message.Message):
     skipped_files: _containers.RepeatedScalarFieldContainer[str]
     privacy: _containers.ScalarMap[str, float]
     def __init__(self, factory_id: _Optional[str] = ..., status: _Optional[str] = ..., num_examples: _Optional[int] = ..., data_source: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pid: _Optional[int] = ..., skipped_files: _Optional[_Iterable[str]] = ..., privacy: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class InspectRequest(_message.Message):
+    __slots__ = ("image", "request_id")
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    image: bytes
+    request_id: str
+    def __init__(self, image: _Optional[bytes] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class InspectReply(_message.Message):
+    __slots__ = ("request_id", "label", "class_index", "score", "probabilities", "model_version")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    CLASS_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    PROBABILITIES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    label: str
+    class_index: int
+    score: float
+    probabilities: _containers.RepeatedScalarFieldContainer[float]
+    model_version: str
+    def __init__(self, request_id: _Optional[str] = ..., label: _Optional[str] = ..., class_index: _Optional[int] = ..., score: _Optional[float] = ..., probabilities: _Optional[_Iterable[float]] = ..., model_version: _Optional[str] = ...) -> None: ...

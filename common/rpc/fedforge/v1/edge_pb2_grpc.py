@@ -225,3 +225,118 @@ class EdgeAgent:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class InspectionStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Inspect = channel.unary_unary(
+                '/fedforge.v1.Inspection/Inspect',
+                request_serializer=fedforge_dot_v1_dot_edge__pb2.InspectRequest.SerializeToString,
+                response_deserializer=fedforge_dot_v1_dot_edge__pb2.InspectReply.FromString,
+                _registered_method=True)
+        self.InspectStream = channel.stream_stream(
+                '/fedforge.v1.Inspection/InspectStream',
+                request_serializer=fedforge_dot_v1_dot_edge__pb2.InspectRequest.SerializeToString,
+                response_deserializer=fedforge_dot_v1_dot_edge__pb2.InspectReply.FromString,
+                _registered_method=True)
+
+
+class InspectionServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Inspect(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InspectStream(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_InspectionServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Inspect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Inspect,
+                    request_deserializer=fedforge_dot_v1_dot_edge__pb2.InspectRequest.FromString,
+                    response_serializer=fedforge_dot_v1_dot_edge__pb2.InspectReply.SerializeToString,
+            ),
+            'InspectStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.InspectStream,
+                    request_deserializer=fedforge_dot_v1_dot_edge__pb2.InspectRequest.FromString,
+                    response_serializer=fedforge_dot_v1_dot_edge__pb2.InspectReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'fedforge.v1.Inspection', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('fedforge.v1.Inspection', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Inspection:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Inspect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedforge.v1.Inspection/Inspect',
+            fedforge_dot_v1_dot_edge__pb2.InspectRequest.SerializeToString,
+            fedforge_dot_v1_dot_edge__pb2.InspectReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InspectStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/fedforge.v1.Inspection/InspectStream',
+            fedforge_dot_v1_dot_edge__pb2.InspectRequest.SerializeToString,
+            fedforge_dot_v1_dot_edge__pb2.InspectReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,146 @@
+"""Inspection on the edge agent: verified models only, same predictions as in-process, lossless hot swap."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from collections import OrderedDict
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from client.agent import serve
+from client.config import AgentConfig
+from client.inspection import decode_image
+from common.data import datasets
+from common.models import build_model
+from common.procs import free_port
+from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
+from server.registry.grpc_service import serve_registry
+from server.registry.service import NewVersion
+
+
+def _weights(seed: int) -> OrderedDict:
+    return OrderedDict((k, v.numpy()) for k, v in build_model("cnn-small", 6, seed=seed).state_dict().items())
+
+
+def _png(img: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray((img[0] * 255).astype(np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _wait(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def site(registry_factory, tmp_path):
+    registry = registry_factory()
+    reg_address = f"127.0.0.1:{free_port()}"
+    reg_server, stop = serve_registry(registry, reg_address)
+    agent_address = f"127.0.0.1:{free_port()}"
+    agent = serve(AgentConfig(factory_id="line-3", listen=agent_address, train_size=32, registry=reg_address,
+                              registry_public_key=str(registry_factory.public_key), state_dir=str(tmp_path / "factory")))
+    channel = grpc.insecure_channel(agent_address)
+    yield registry, edge_pb2_grpc.InspectionStub(channel), agent
+    channel.close()
+    agent.stop(grace=None)
+    stop.set()
+    reg_server.stop(grace=None).wait()
+
+
+def _add(registry, seed: int, round_: int = 1):
+    return registry.add_version(NewVersion(run_id="r", server_round=round_, parent_id=None, kind="fedavg", architecture="cnn-small",
+                                           weights=_weights(seed), metrics={}, participants=["a"]))
+
+
+def test_inspect_matches_the_model_in_process_and_swaps_on_approval(site):
+    registry, stub, agent = site
+    images = datasets.test_dataset(datasets.SyntheticSpec(), 12).images
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Inspect(edge_pb2.InspectRequest(image=_png(images[0])))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # nothing approved yet
+
+    v1 = _add(registry, seed=1)
+    registry.approve(v1.id, actor="qa")
+    _wait(lambda: agent.follower.serving.version == v1.id)
+    model = build_model("cnn-small", 6)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in _weights(1).items()})
+    model.eval()
+    for img in images:
+        reply = stub.Inspect(edge_pb2.InspectRequest(image=_png(img), request_id="x"))
+        with torch.no_grad():
+            expected = torch.softmax(model(torch.from_numpy(decode_image(_png(img))[None])), 1)[0].numpy()
+        assert reply.model_version == v1.id and reply.request_id == "x"
+        np.testing.assert_allclose(reply.probabilities, expected, atol=1e-5)
+        assert reply.class_index == int(expected.argmax())
+
+    replies = list(stub.InspectStream(iter([edge_pb2.InspectRequest(image=_png(i), request_id=str(k)) for k, i in enumerate(images)])))
+    assert [r.request_id for r in replies] == [str(k) for k in range(len(images))]
+
+
+def test_hot_swap_loses_no_request_and_bad_versions_are_never_loaded(site):
+    registry, stub, agent = site
+    image = _png(datasets.test_dataset(datasets.SyntheticSpec(), 6).images[0])
+    v1, v2 = _add(registry, 1), _add(registry, 2, round_=2)
+    registry.approve(v1.id, actor="qa")
+    _wait(lambda: agent.follower.serving.version == v1.id)
+
+    seen, errors, stop = [], [], threading.Event()
+
+    def hammer():
+        while not stop.is_set():
+            try:
+                seen.append(stub.Inspect(edge_pb2.InspectRequest(image=image)).model_version)
+            except grpc.RpcError as exc:  # pragma: no cover - the assertion below reports it
+                errors.append(exc)
+
+    threads = [threading.Thread(target=hammer) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    registry.approve(v2.id, actor="qa")
+    _wait(lambda: agent.follower.serving.version == v2.id)
+    time.sleep(0.3)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors and seen[0] == v1.id and seen[-1] == v2.id and set(seen) == {v1.id, v2.id}
+
+    # a tampered version is refused with its reason and never served
+    v3 = _add(registry, 3, round_=3)
+    path = registry.artifacts.path_for(v3.sha256)
+    blob = bytearray(path.read_bytes())
+    blob[-10] ^= 0xFF
+    path.write_bytes(bytes(blob))
+    registry.approve(v3.id, actor="qa")
+    _wait(lambda: v3.id in agent.follower.refused)
+    assert "TamperedWeightsError" in agent.follower.refused[v3.id] and agent.follower.serving.version == v2.id
+
+    # revoking the serving version swaps back to the previous approved one
+    registry.revoke(v2.id, actor="qa")
+    _wait(lambda: agent.follower.serving.version == v1.id)
+    assert stub.Inspect(edge_pb2.InspectRequest(image=image)).model_version == v1.id
+
+
+def test_bad_images_are_rejected(site):
+    registry, stub, agent = site
+    v1 = _add(registry, 1)
+    registry.approve(v1.id, actor="qa")
+    _wait(lambda: agent.follower.serving.version == v1.id)
+    good = _png(datasets.test_dataset(datasets.SyntheticSpec(), 6).images[0])
+    for bad in (b"", b"not an image", good[: len(good) // 2]):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Inspect(edge_pb2.InspectRequest(image=bad))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Inspect(edge_pb2.InspectRequest(image=b"x" * (9 << 20)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit" in err.value.details()
