@@ -31,6 +31,7 @@ MODEL_COMMANDS: dict[str, str] = {
     "approve": "server.models_cli:models_approve",
     "revoke": "server.models_cli:models_revoke",
     "rollback": "server.models_cli:models_rollback",
+    "export": "server.models_cli:models_export",
     "pull": "client.models_cli:models_pull",
     "verify": "client.models_cli:models_verify",
 }

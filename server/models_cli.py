@@ -114,3 +114,27 @@ for _op, _help in (("approve", "Approve a version for the factories' inspection 
     globals()[f"models_{_op}"] = _make()
 
 
+
+
+@click.command("export")
+@click.argument("version_id")
+@click.option("--registry-dir", default="fedforge-central/registry", type=click.Path(file_okay=False))
+@click.option("--out", "out_dir", default="fedforge-export", type=click.Path(file_okay=False), help="Where the exported files go.")
+@click.option("--quantize/--no-quantize", default=False, help="Dynamic int8 quantization of linear layers.")
+@click.option("--test-data", default=None, type=click.Path(file_okay=False, exists=True), help="Image folder for the accuracy check.")
+def models_export(version_id: str, registry_dir: str, out_dir: str, quantize: bool, test_data: str | None) -> None:
+    """Export an approved version (TorchScript, ONNX when installed), reporting the accuracy delta."""
+    from common.data.folder import load_image_folder
+    from server.export import export_version
+
+    data = load_image_folder(test_data)[0] if test_data else None
+    try:
+        report = export_version(_registry(registry_dir), version_id, out_dir, quantize=quantize, test_data=data)
+    except (KeyError, PermissionError) as exc:
+        raise click.ClickException(str(exc)) from None
+    for f in report.files:
+        click.echo(f"wrote {f}")
+    for s in report.skipped:
+        click.echo(f"skipped {s}")
+    click.echo(f"accuracy {report.accuracy:.4f}" + (f", int8 {report.quantized_accuracy:.4f} (delta {report.accuracy_delta:+.4f})"
+                                                    if report.quantized_accuracy is not None else ""))

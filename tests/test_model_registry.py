@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from client.models import ModelClient
+from common.models import build_model
 from common.procs import free_port
 from common.rpc.fedforge.v1 import registry_pb2, registry_pb2_grpc
 from common.signing import (
@@ -181,6 +182,7 @@ def test_large_model_streams_in_bounded_memory(central, tmp_path):
     assert v.size_bytes > 100 * 1024 * 1024
     script = textwrap.dedent(f"""
         from client.models import ModelClient
+from common.models import build_model
         from common.signing import load_public
         m = ModelClient({address!r}, load_public({str(tmp_path / "keys" / "signing.pub")!r}), {str(tmp_path / "edge")!r})
         m.pull({v.id!r})
@@ -191,3 +193,29 @@ def test_large_model_streams_in_bounded_memory(central, tmp_path):
     assert out.returncode == 0, out.stderr
     peak_kib = int(out.stdout.strip().splitlines()[-1])
     assert peak_kib < 100 * 1024, f"peak RSS {peak_kib / 1024:.0f} MiB while pulling {v.size_bytes / 2**20:.0f} MiB"
+
+
+def test_export_torchscript_and_int8_with_accuracy_delta(registry_factory, tmp_path):
+    import torch
+
+    from common.data import datasets
+    from server.export import export_version
+
+    reg = registry_factory()
+    weights = OrderedDict((k, v.numpy()) for k, v in build_model("cnn-small", 6, seed=0).state_dict().items())
+    v = reg.add_version(NewVersion(run_id="r", server_round=1, parent_id=None, kind="fedavg", architecture="cnn-small", weights=weights,
+                                   metrics={}, participants=[]))
+    with pytest.raises(PermissionError, match="approved"):
+        export_version(reg, v.id, tmp_path / "out")
+    reg.approve(v.id, actor="ops")
+    test = datasets.test_dataset(datasets.SyntheticSpec(), 60)
+    plain = export_version(reg, v.id, tmp_path / "out", test_data=test)
+    q = export_version(reg, v.id, tmp_path / "out", quantize=True, test_data=test)
+    assert q.accuracy_delta is not None and abs(q.accuracy_delta) <= 0.1
+    scripted = torch.jit.load(plain.files[0])
+    x = torch.from_numpy(test.images[:4])
+    model = build_model("cnn-small", 6)
+    model.load_state_dict({k: torch.from_numpy(w) for k, w in weights.items()})
+    model.eval()
+    torch.testing.assert_close(scripted(x), model(x))
+    assert (tmp_path / "out" / f"{v.id}-int8.export.json").exists()
