@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "server": "server.cli:server",
     "run": "server.cli:run",
     "keys": "server.models_cli:keys",
+    "dashboard": "server.cli:dashboard",
     "client": "client.cli:client",
     "agent": "client.cli:agent",
 }

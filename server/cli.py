@@ -20,7 +20,11 @@ log = logging.getLogger("fedforge.server")
 @click.option("--port", default=8000, type=int, help="SuperLink port (Fleet, Control and Runtime APIs).")
 @click.option("--insecure/--tls", default=True, help="Plain HTTP (loopback demos only).")
 @click.option("--registry-listen", default="127.0.0.1:50051", help="ModelRegistry gRPC address ('' to not serve it).")
-def server(workdir: str, host: str, port: int, insecure: bool, registry_listen: str) -> None:
+@click.option("--dashboard-listen", default="127.0.0.1:8080", help="Web dashboard address ('' to not serve it).")
+@click.option("--admin-token", default=None, envvar="FEDFORGE_ADMIN_TOKEN", help="Token for dashboard actions (approve, revoke, stop); none: read-only.")
+@click.option("--view-token", default=None, envvar="FEDFORGE_VIEW_TOKEN", help="Token required to view the dashboard; none: open.")
+def server(workdir: str, host: str, port: int, insecure: bool, registry_listen: str, dashboard_listen: str, admin_token: str | None,
+           view_token: str | None) -> None:
     """Run the central site: a Flower SuperLink with a durable database (restarted if it dies) and the model registry."""
     from common.signing import key_id
     from server.registry.grpc_service import serve_registry
@@ -31,6 +35,15 @@ def server(workdir: str, host: str, port: int, insecure: bool, registry_listen: 
     registry = Registry.at(root / "registry", create_key=True)
     log.info("registry %s, signing key id %s", root / "registry", key_id(registry.signing_key.public_key()))
     registry_server = serve_registry(registry, registry_listen)[0] if registry_listen else None
+    dashboard = None
+    if dashboard_listen:
+        from server.dashboard.app import DashboardSettings, serve_dashboard
+
+        home = launch.flwr_home(root, f"{'127.0.0.1' if host == '0.0.0.0' else host}:{port}")
+        d_host, _, d_port = dashboard_listen.rpartition(":")
+        dashboard = serve_dashboard(DashboardSettings(root / "registry", admin_token, view_token,
+                                                      stop_run=lambda run_id: launch.stop_run(home, run_id)), d_host, int(d_port))
+        log.info("dashboard on http://%s%s", dashboard_listen, "" if admin_token else " (read-only: no --admin-token)")
     cmd = launch.superlink_command(root, host, port, insecure=insecure)
     with ProcessSet(root / "logs") as procs:
         try:
@@ -50,6 +63,8 @@ def server(workdir: str, host: str, port: int, insecure: bool, registry_listen: 
         finally:
             if registry_server is not None:
                 registry_server.stop(grace=1)
+            if dashboard is not None:
+                dashboard.should_exit = True
 
 
 def parse_overrides(pairs: tuple[str, ...]) -> dict[str, object]:
@@ -79,3 +94,19 @@ def run(superlink: str, workdir: str, registry_dir: str | None, rounds: int, ove
     config = {"num-server-rounds": rounds, "registry-dir": str(Path(registry_dir or root / "registry").resolve()), **parse_overrides(overrides)}
     home = launch.flwr_home(root, superlink)
     click.echo(launch.submit_run(home, config))
+
+
+@click.command()
+@click.option("--registry-dir", default="fedforge-central/registry", type=click.Path(file_okay=False, exists=True), help="An existing registry.")
+@click.option("--host", default="127.0.0.1", help="Address to bind.")
+@click.option("--port", default=8080, type=int, help="Port to bind.")
+@click.option("--admin-token", default=None, envvar="FEDFORGE_ADMIN_TOKEN", help="Token for state-changing actions; none: read-only.")
+@click.option("--view-token", default=None, envvar="FEDFORGE_VIEW_TOKEN", help="Token required to view; none: open.")
+def dashboard(registry_dir: str, host: str, port: int, admin_token: str | None, view_token: str | None) -> None:
+    """Serve the web dashboard over an existing registry."""
+    import uvicorn
+
+    from server.dashboard.app import DashboardSettings, create_app
+
+    click.echo(f"FedForge dashboard on http://{host}:{port}{'' if admin_token else '  (read-only: no --admin-token)'}")
+    uvicorn.run(create_app(DashboardSettings(Path(registry_dir).resolve(), admin_token, view_token)), host=host, port=port, log_level="warning")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -44,11 +45,13 @@ console = Console(stderr=True)
 @click.option("--secure/--no-secure", default=True, help="Secure aggregation (SecAgg+): the server learns only the sum.")
 @click.option("--dp/--no-dp", default=False, help="Factories train with DP-SGD under their own privacy budget.")
 @click.option("--epsilon", default=8.0, type=float, help="With --dp: each factory's privacy budget epsilon_max.")
+@click.option("--dashboard-port", default=0, type=int, help="Dashboard port (0: a free one); its URL is printed.")
+@click.option("--admin-token", default=None, envvar="FEDFORGE_ADMIN_TOKEN", help="Dashboard admin token (default: a random one, printed).")
 @click.option("--parallelism", default="none", type=click.Choice(["none", "ddp", "fsdp"]), help="Local training in a DDP/FSDP worker group.")
 @click.option("--local-world-size", default=1, type=click.IntRange(1), help="Ranks per factory with --parallelism ddp|fsdp.")
 def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str, json_path: str | None, architecture: str,
          train_size: int, alpha: float, min_factories: int | None, round_timeout: float, lr: float, secure: bool, dp: bool, epsilon: float,
-         parallelism: str, local_world_size: int) -> None:
+         parallelism: str, local_world_size: int, dashboard_port: int, admin_token: str | None) -> None:
     """Run a local demo federation over real Flower processes on 127.0.0.1."""
     t_start = time.perf_counter()
     root = Path(workdir).resolve()
@@ -60,10 +63,13 @@ def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str
     with ProcessSet(root / "logs") as procs:
         flags = ["--dp", "--dp-epsilon", str(epsilon), "--dp-planned-rounds", str(rounds)] if dp else []
         flags += ["--parallelism", parallelism, "--local-world-size", str(local_world_size)]
-        fed = LocalFederation(root, procs, num_factories=factories, seed=seed, alpha=alpha, train_size=train_size, factory_flags=flags)
+        admin_token = admin_token or secrets.token_urlsafe(16)
+        fed = LocalFederation(root, procs, num_factories=factories, seed=seed, alpha=alpha, train_size=train_size, factory_flags=flags,
+                              dashboard_port=dashboard_port, admin_token=admin_token)
         try:
             console.print(f"[bold]FedForge demo[/]: {factories} factories, {rounds} rounds, workdir {root}")
             fed.start_central()
+            console.print(f"  dashboard: [bold]{fed.dashboard_url}[/]  (admin token for approvals: {admin_token})")
             for i in range(factories):
                 fed.start_factory(i)
             for f in fed.factories:

@@ -85,3 +85,9 @@ def run_status(home: Path, run_id: str, timeout: float = 60.0) -> str:
     except json.JSONDecodeError:
         return "unknown"
     return str(runs[0].get("status", "unknown")) if runs else "unknown"
+
+
+def stop_run(home: Path, run_id: str, timeout: float = 60.0) -> None:
+    proc = subprocess.run([shutil.which("flwr") or "flwr", "stop", run_id, CONNECTION], env=flwr_env(home), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"flwr stop {run_id} failed: {proc.stdout.strip()} {proc.stderr.strip()}"[-1000:])

@@ -46,11 +46,17 @@ class LocalFederation:
     factory_flags: list[str] = field(default_factory=list)  # extra `fedforge client|agent` flags (e.g. --dp)
     port: int = field(default_factory=free_port)
     registry_port: int = 0
+    dashboard_port: int = 0
+    admin_token: str = ""
     factories: list[Factory] = field(default_factory=list)
 
     @property
     def superlink(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
 
     @property
     def registry_dir(self) -> Path:
@@ -61,10 +67,12 @@ class LocalFederation:
         return f"127.0.0.1:{self.registry_port}"
 
     def start_central(self) -> None:
-        self.registry_port = free_port()
+        self.registry_port = self.registry_port or free_port()
+        self.dashboard_port = self.dashboard_port or free_port()
         proc = self.procs.start("central", fedforge_command() + [
             "server", "--workdir", str(self.root / "central"), "--port", str(self.port), "--registry-listen", self.registry_address,
-        ])
+            "--dashboard-listen", f"127.0.0.1:{self.dashboard_port}",
+        ], env={"FEDFORGE_ADMIN_TOKEN": self.admin_token} if self.admin_token else None)
         wait_for_port("127.0.0.1", self.port, timeout=90, proc=proc)
 
     def _data_flags(self, index: int) -> list[str]:

@@ -1,0 +1,238 @@
+"""FastAPI application: HTML pages, a JSON API under /api/v1, live updates (SSE) and /metrics.
+
+Viewing can be open (private network) or require a view token; every state-changing action needs
+the admin token in an ``Authorization: Bearer`` header, checked server side. Without a configured
+admin token, state-changing endpoints are disabled: there is no default secret. Authentication never
+uses cookies for admin actions, so cross-site forms cannot forge them (no CSRF surface).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, HTTPException, Path as PathParam, Query, Request
+from fastapi.responses import FileResponse, HTMLResponse, PlainTextResponse, StreamingResponse
+from fastapi.templating import Jinja2Templates
+
+from server.dashboard import charts, schemas, services
+from server.registry.service import Registry, TransitionError
+
+log = logging.getLogger("fedforge.dashboard")
+
+VersionId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{32}$", description="32 lowercase hex characters")]
+RunId = Annotated[str, PathParam(pattern=r"^run-[0-9A-Za-z_-]{1,60}$")]
+TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
+
+
+@dataclass
+class DashboardSettings:
+    registry_dir: Path
+    admin_token: str | None = None
+    view_token: str | None = None
+    stop_run: Any = None  # callable(flwr_run_id) -> None, when the dashboard can reach the SuperLink
+    poll_seconds: float = 1.0
+
+
+def _bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    return header[7:].strip() if header.lower().startswith("bearer ") else None
+
+
+def create_app(settings: DashboardSettings) -> FastAPI:
+    registry = Registry.at(settings.registry_dir)
+    public_key = settings.registry_dir / "keys" / "signing.pub"
+    app = FastAPI(title="FedForge", version="1", description="Federated learning for visual inspection: rounds, factories, privacy and models.")
+
+    def viewer(request: Request, token: str | None = Query(default=None, max_length=200, description="view token (or Bearer header / cookie)")) -> None:
+        if not settings.view_token:
+            return
+        supplied = token or _bearer(request) or request.cookies.get("fedforge_view")
+        if not supplied or not hmac.compare_digest(supplied, settings.view_token):
+            raise HTTPException(401, "viewing requires the view token")
+
+    def admin(request: Request) -> None:
+        if not settings.admin_token:
+            raise HTTPException(403, "admin actions are disabled: start the dashboard with --admin-token (or FEDFORGE_ADMIN_TOKEN)")
+        supplied = _bearer(request)
+        if not supplied or not hmac.compare_digest(supplied, settings.admin_token):
+            raise HTTPException(401, "this action requires the admin token as 'Authorization: Bearer <token>'")
+
+    View = Depends(viewer)
+    Admin = Depends(admin)
+
+    # JSON API ---------------------------------------------------------------------------------
+    @app.get("/api/v1/overview", response_model=schemas.Overview, dependencies=[View])
+    def api_overview() -> schemas.Overview:
+        return services.overview(registry, bool(settings.admin_token))
+
+    @app.get("/api/v1/runs", response_model=list[schemas.RunOut], dependencies=[View])
+    def api_runs() -> list[schemas.RunOut]:
+        return services.runs(registry)
+
+    @app.get("/api/v1/runs/{run_id}", response_model=schemas.RunDetail, dependencies=[View])
+    def api_run(run_id: RunId) -> schemas.RunDetail:
+        detail = services.run_detail(registry, run_id)
+        if detail is None:
+            raise HTTPException(404, f"no run {run_id}")
+        return detail
+
+    @app.get("/api/v1/factories", response_model=list[schemas.FactoryOut], dependencies=[View])
+    def api_factories() -> list[schemas.FactoryOut]:
+        return services.factories(registry)
+
+    @app.get("/api/v1/privacy", response_model=list[schemas.PrivacyOut], dependencies=[View])
+    def api_privacy() -> list[schemas.PrivacyOut]:
+        return services.privacy(registry)
+
+    @app.get("/api/v1/versions", response_model=list[schemas.VersionOut], dependencies=[View])
+    def api_versions(status: Annotated[str | None, Query(pattern="^(candidate|approved|revoked)$")] = None) -> list[schemas.VersionOut]:
+        return services.versions(registry, status)
+
+    @app.get("/api/v1/versions/{version_id}", response_model=schemas.VersionDetail, dependencies=[View])
+    def api_version(version_id: VersionId) -> schemas.VersionDetail:
+        detail = services.version_detail(registry, version_id, public_key)
+        if detail is None:
+            raise HTTPException(404, f"no version {version_id}")
+        return detail
+
+    @app.get("/api/v1/versions/{version_id}/download", dependencies=[View], response_class=FileResponse)
+    def api_download(version_id: VersionId) -> FileResponse:
+        v = registry.get_version(version_id)
+        if v is None:
+            raise HTTPException(404, f"no version {version_id}")
+        return FileResponse(registry.artifacts.path_for(v.sha256), filename=f"{v.id}.npz", media_type="application/octet-stream")
+
+    def _act(version_id: str, op: str, body: schemas.ActionIn) -> schemas.VersionOut:
+        try:
+            v = getattr(registry, op)(version_id, actor=f"dashboard:{body.actor}", note=body.note)
+        except KeyError:
+            raise HTTPException(404, f"no version {version_id}") from None
+        except TransitionError as exc:
+            raise HTTPException(409, str(exc)) from None
+        log.info("%s %s by dashboard:%s", op, version_id, body.actor)
+        return services.version_out(v)
+
+    @app.post("/api/v1/versions/{version_id}/approve", response_model=schemas.VersionOut, dependencies=[Admin])
+    def api_approve(version_id: VersionId, body: schemas.ActionIn) -> schemas.VersionOut:
+        return _act(version_id, "approve", body)
+
+    @app.post("/api/v1/versions/{version_id}/revoke", response_model=schemas.VersionOut, dependencies=[Admin])
+    def api_revoke(version_id: VersionId, body: schemas.ActionIn) -> schemas.VersionOut:
+        return _act(version_id, "revoke", body)
+
+    @app.post("/api/v1/versions/{version_id}/rollback", response_model=schemas.VersionOut, dependencies=[Admin])
+    def api_rollback(version_id: VersionId, body: schemas.ActionIn) -> schemas.VersionOut:
+        return _act(version_id, "rollback", body)
+
+    @app.post("/api/v1/runs/{run_id}/stop", response_model=schemas.RunOut, dependencies=[Admin])
+    def api_stop(run_id: RunId, body: schemas.ActionIn) -> schemas.RunOut:
+        run = registry.get_run(run_id)
+        if run is None:
+            raise HTTPException(404, f"no run {run_id}")
+        if run.status != "running":
+            raise HTTPException(409, f"run {run_id} is {run.status}")
+        if settings.stop_run is None:
+            raise HTTPException(409, "this dashboard has no SuperLink connection; stop the run with `flwr stop`")
+        settings.stop_run(run.flwr_run_id)
+        registry.finish_run(run_id, "stopped", f"stopped from the dashboard by {body.actor}")
+        return services.run_detail(registry, run_id)
+
+    @app.get("/api/v1/events", dependencies=[View])
+    async def api_events(request: Request) -> StreamingResponse:
+        """Server-Sent Events: an ``update`` event whenever runs, rounds, versions or actions change."""
+        async def stream():  # type: ignore[no-untyped-def]
+            last = None
+            ticks = 0
+            while not await request.is_disconnected():
+                current = await asyncio.to_thread(services.fingerprint, registry)
+                if current != last:
+                    last = current
+                    yield f"event: update\ndata: {current}\n\n"
+                elif ticks % 15 == 0:
+                    yield ": keep-alive\n\n"
+                ticks += 1
+                await asyncio.sleep(settings.poll_seconds)
+        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/metrics", response_class=PlainTextResponse, dependencies=[View])
+    def metrics() -> PlainTextResponse:
+        return PlainTextResponse(services.prometheus(registry), media_type="text/plain; version=0.0.4")
+
+    # HTML pages --------------------------------------------------------------------------------
+    def page(request: Request, name: str, **context: Any) -> HTMLResponse:
+        response = TEMPLATES.TemplateResponse(request, name, {"admin_enabled": bool(settings.admin_token), **context})
+        token = request.query_params.get("token")
+        if settings.view_token and token:
+            response.set_cookie("fedforge_view", token, httponly=True, samesite="strict")
+        return response
+
+    @app.get("/", response_class=HTMLResponse, dependencies=[View], include_in_schema=False)
+    def overview_page(request: Request) -> HTMLResponse:
+        ov = services.overview(registry, bool(settings.admin_token))
+        detail = services.run_detail(registry, ov.current_run.id) if ov.current_run else None
+        rounds = [r for r in detail.rounds if r.status == "completed"] if detail else []
+        chart_acc = charts.line_chart("Global accuracy per round", {"accuracy": [(r.server_round, r.accuracy) for r in rounds]}, "test set", y_max=1.0)
+        chart_loss = charts.line_chart("Global loss per round", {"loss": [(r.server_round, r.loss) for r in rounds]}, "cross-entropy")
+        per_factory = {}
+        for r in rounds:
+            for k, v in r.metrics.items():
+                if k == "factory-val-accuracy-before":
+                    per_factory.setdefault("factories (validation, mean)", []).append((r.server_round, v))
+        chart_fac = charts.line_chart("Factories' local validation accuracy", per_factory, "before local training", y_max=1.0)
+        return page(request, "overview.html", ov=ov, run=detail, charts=[chart_acc, chart_loss, chart_fac], factories=services.factories(registry))
+
+    @app.get("/runs", response_class=HTMLResponse, dependencies=[View], include_in_schema=False)
+    def runs_page(request: Request) -> HTMLResponse:
+        return page(request, "runs.html", runs=services.runs(registry))
+
+    @app.get("/runs/{run_id}", response_class=HTMLResponse, dependencies=[View], include_in_schema=False)
+    def run_page(request: Request, run_id: RunId) -> HTMLResponse:
+        detail = services.run_detail(registry, run_id)
+        if detail is None:
+            raise HTTPException(404, f"no run {run_id}")
+        done = [r for r in detail.rounds if r.status == "completed"]
+        chart = charts.line_chart("Accuracy per round", {"accuracy": [(r.server_round, r.accuracy) for r in done]}, "test set", y_max=1.0)
+        return page(request, "run.html", run=detail, chart=chart)
+
+    @app.get("/factories", response_class=HTMLResponse, dependencies=[View], include_in_schema=False)
+    def factories_page(request: Request) -> HTMLResponse:
+        return page(request, "factories.html", factories=services.factories(registry))
+
+    @app.get("/privacy", response_class=HTMLResponse, dependencies=[View], include_in_schema=False)
+    def privacy_page(request: Request) -> HTMLResponse:
+        spend = services.privacy(registry)
+        limit = max((p.epsilon_max for p in spend if p.epsilon_max), default=None)
+        chart = charts.line_chart("Privacy spent (epsilon) per factory", {p.factory: [(h.server_round, h.epsilon_spent) for h in p.history] for p in spend},
+                                  "epsilon", reference=limit)
+        return page(request, "privacy.html", spend=spend, chart=chart)
+
+    @app.get("/versions", response_class=HTMLResponse, dependencies=[View], include_in_schema=False)
+    def versions_page(request: Request) -> HTMLResponse:
+        return page(request, "versions.html", versions=services.versions(registry))
+
+    @app.get("/versions/{version_id}", response_class=HTMLResponse, dependencies=[View], include_in_schema=False)
+    def version_page(request: Request, version_id: VersionId) -> HTMLResponse:
+        detail = services.version_detail(registry, version_id, public_key)
+        if detail is None:
+            raise HTTPException(404, f"no version {version_id}")
+        return page(request, "version.html", v=detail)
+
+    return app
+
+
+def serve_dashboard(settings: DashboardSettings, host: str, port: int) -> Any:
+    """Run uvicorn in a background thread (used by ``fedforge server`` and ``fedforge demo``)."""
+    import threading
+
+    import uvicorn
+
+    config = uvicorn.Config(create_app(settings), host=host, port=port, log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True, name="fedforge-dashboard")
+    thread.start()
+    return server

@@ -1,0 +1,108 @@
+"""Pydantic schemas at the API's edge (the OpenAPI schema is generated from these)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class RoundOut(BaseModel):
+    server_round: int
+    status: str
+    accuracy: float | None
+    loss: float | None
+    participants: list[str]
+    failures: dict[str, str]
+    seconds: float
+    version_id: str | None
+    metrics: dict[str, Any]
+
+
+class RunOut(BaseModel):
+    id: str
+    flwr_run_id: str
+    status: str
+    started_at: datetime
+    finished_at: datetime | None
+    error: str
+    rounds_completed: int
+    rounds_planned: int
+    last_accuracy: float | None
+
+
+class RunDetail(RunOut):
+    rounds: list[RoundOut]
+    config: dict[str, Any]
+
+
+class VersionOut(BaseModel):
+    id: str
+    run_id: str
+    server_round: int
+    parent_id: str | None
+    kind: str
+    architecture: str
+    status: str
+    accuracy: float | None
+    secure_aggregation: bool
+    created_at: datetime
+    sha256: str
+    size_bytes: int
+
+
+class ActionOut(BaseModel):
+    id: int
+    version_id: str
+    action: str
+    actor: str
+    note: str
+    at: datetime
+
+
+class VersionDetail(VersionOut):
+    manifest: dict[str, Any]
+    signature_status: str  # valid | invalid | unsigned
+    lineage: list[VersionOut]  # this version, its parent, ... back to the initial model
+    children: list[VersionOut]
+    actions: list[ActionOut]
+    participants: list[str]
+    privacy: dict[str, Any]
+    metrics: dict[str, Any]
+
+
+class FactoryOut(BaseModel):
+    name: str
+    status: str  # ok | failed | idle (in the latest round of the latest run)
+    rounds_participated: int
+    rounds_failed: int
+    last_failure: str
+    epsilon_spent: float | None
+    epsilon_max: float | None
+
+
+class PrivacyPoint(BaseModel):
+    server_round: int
+    epsilon_spent: float
+
+
+class PrivacyOut(BaseModel):
+    factory: str
+    epsilon_max: float | None
+    epsilon_spent: float | None
+    history: list[PrivacyPoint]
+
+
+class Overview(BaseModel):
+    current_run: RunOut | None
+    factories_ok: int
+    factories_failed: int
+    versions: int
+    approved_version: str | None
+    admin_actions_enabled: bool
+
+
+class ActionIn(BaseModel):
+    note: str = Field(default="", max_length=1000)
+    actor: str = Field(default="dashboard-admin", min_length=1, max_length=100, pattern=r"^[\w .@-]+$")

@@ -1,0 +1,171 @@
+"""What the dashboard shows, computed from the registry (routes stay thin; logic lives here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from common.signing import VerificationError, load_public, verify_manifest
+from server.dashboard import schemas
+from server.registry.schema import Run, Version
+from server.registry.service import Registry
+
+
+def _run_out(reg: Registry, run: Run) -> schemas.RunOut:
+    rounds = reg.rounds(run.id)
+    done = [r for r in rounds if r.status == "completed"]
+    return schemas.RunOut(
+        id=run.id, flwr_run_id=run.flwr_run_id, status=run.status, started_at=run.started_at, finished_at=run.finished_at, error=run.error,
+        rounds_completed=len(rounds), rounds_planned=int(run.config.get("num_server_rounds", len(rounds))),
+        last_accuracy=done[-1].accuracy if done else None,
+    )
+
+
+def runs(reg: Registry) -> list[schemas.RunOut]:
+    return [_run_out(reg, r) for r in reversed(reg.runs())]
+
+
+def run_detail(reg: Registry, run_id: str) -> schemas.RunDetail | None:
+    run = reg.get_run(run_id)
+    if run is None:
+        return None
+    rounds = [schemas.RoundOut(server_round=r.server_round, status=r.status, accuracy=r.accuracy, loss=r.loss, participants=r.participants,
+                               failures=r.failures, seconds=r.seconds, version_id=r.version_id, metrics=r.metrics) for r in reg.rounds(run_id)]
+    return schemas.RunDetail(**_run_out(reg, run).model_dump(), rounds=rounds, config=run.config)
+
+
+def version_out(v: Version) -> schemas.VersionOut:
+    return schemas.VersionOut(id=v.id, run_id=v.run_id, server_round=v.server_round, parent_id=v.parent_id, kind=v.kind,
+                              architecture=v.architecture, status=v.status, accuracy=v.metrics.get("accuracy"),
+                              secure_aggregation=v.secure_aggregation, created_at=v.created_at, sha256=v.sha256, size_bytes=v.size_bytes)
+
+
+def versions(reg: Registry, status: str | None = None) -> list[schemas.VersionOut]:
+    return [version_out(v) for v in reversed(reg.versions(status=status))]
+
+
+def signature_status(v: Version, public_key_path: Path | None) -> str:
+    if not v.signature:
+        return "unsigned"
+    if public_key_path is None or not public_key_path.exists():
+        return "unknown key"
+    try:
+        verify_manifest(v.manifest.encode(), v.signature, load_public(public_key_path))
+        return "valid"
+    except VerificationError:
+        return "invalid"
+
+
+def version_detail(reg: Registry, version_id: str, public_key_path: Path | None) -> schemas.VersionDetail | None:
+    v = reg.get_version(version_id)
+    if v is None:
+        return None
+    lineage, cursor = [], v
+    while cursor is not None and len(lineage) < 10_000:
+        lineage.append(version_out(cursor))
+        cursor = reg.get_version(cursor.parent_id) if cursor.parent_id else None
+    children = [version_out(c) for c in reg.versions() if c.parent_id == v.id]
+    actions = [schemas.ActionOut(id=a.id, version_id=a.version_id, action=a.action, actor=a.actor, note=a.note, at=a.at)
+               for a in reg.actions(version_id=v.id)]
+    return schemas.VersionDetail(
+        **version_out(v).model_dump(), manifest=json.loads(v.manifest) if v.manifest else {}, signature_status=signature_status(v, public_key_path),
+        lineage=lineage, children=children, actions=actions, participants=v.participants, privacy=v.privacy, metrics=v.metrics,
+    )
+
+
+def factories(reg: Registry) -> list[schemas.FactoryOut]:
+    all_runs = reg.runs()
+    stats: dict[str, dict[str, Any]] = {}
+    for run in all_runs:
+        for r in reg.rounds(run.id):
+            for name in r.participants:
+                stats.setdefault(name, {"ok": 0, "failed": 0, "last_failure": ""})["ok"] += 1
+            for name, reason in r.failures.items():
+                s = stats.setdefault(name, {"ok": 0, "failed": 0, "last_failure": ""})
+                s["failed"] += 1
+                s["last_failure"] = reason
+    latest_round = None
+    if all_runs:
+        rounds = reg.rounds(all_runs[-1].id)
+        latest_round = rounds[-1] if rounds else None
+    spent = latest_privacy(reg)
+    out = []
+    for name in sorted(stats):
+        status = "idle"
+        if latest_round is not None:
+            status = "ok" if name in latest_round.participants else "failed" if name in latest_round.failures else "idle"
+        p = spent.get(name, {})
+        out.append(schemas.FactoryOut(name=name, status=status, rounds_participated=stats[name]["ok"], rounds_failed=stats[name]["failed"],
+                                      last_failure=stats[name]["last_failure"][:300], epsilon_spent=p.get("epsilon-spent"), epsilon_max=p.get("epsilon-max")))
+    return out
+
+
+def latest_privacy(reg: Registry) -> dict[str, dict[str, float]]:
+    latest: dict[str, dict[str, float]] = {}
+    for v in reg.versions():
+        for factory, p in (v.privacy or {}).items():
+            latest[factory] = p
+    return latest
+
+
+def privacy(reg: Registry) -> list[schemas.PrivacyOut]:
+    history: dict[str, list[schemas.PrivacyPoint]] = {}
+    for v in reg.versions():
+        for factory, p in (v.privacy or {}).items():
+            if "epsilon-spent" in p:
+                history.setdefault(factory, []).append(schemas.PrivacyPoint(server_round=v.server_round, epsilon_spent=p["epsilon-spent"]))
+    latest = latest_privacy(reg)
+    return [schemas.PrivacyOut(factory=f, epsilon_max=latest[f].get("epsilon-max"), epsilon_spent=latest[f].get("epsilon-spent"), history=h)
+            for f, h in sorted(history.items())]
+
+
+def overview(reg: Registry, admin_enabled: bool) -> schemas.Overview:
+    all_runs = reg.runs()
+    current = _run_out(reg, all_runs[-1]) if all_runs else None
+    facs = factories(reg)
+    approved = reg.current_approved()
+    return schemas.Overview(current_run=current, factories_ok=sum(f.status == "ok" for f in facs), factories_failed=sum(f.status == "failed" for f in facs),
+                            versions=len(reg.versions()), approved_version=approved.id if approved else None, admin_actions_enabled=admin_enabled)
+
+
+def fingerprint(reg: Registry) -> str:
+    """Changes whenever anything the pages show changes (what the live-update stream watches)."""
+    all_runs = reg.runs()
+    last = all_runs[-1] if all_runs else None
+    actions = reg.actions()
+    return json.dumps([len(all_runs), last.status if last else "", len(reg.rounds(last.id)) if last else 0, len(reg.versions()),
+                       actions[-1].id if actions else 0])
+
+
+def prometheus(reg: Registry) -> str:
+    lines = []
+
+    def metric(name: str, kind: str, help_text: str, samples: list[tuple[dict[str, str], float]]) -> None:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} {kind}")
+        for labels, value in samples:
+            label = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+            lines.append(f"{name}{{{label}}} {value}" if label else f"{name} {value}")
+
+    rounds = [r for run in reg.runs() for r in reg.rounds(run.id)]
+    completed = [r for r in rounds if r.status == "completed"]
+    metric("fedforge_rounds_completed_total", "counter", "Rounds that produced a model.", [({}, len(completed))])
+    metric("fedforge_rounds_aborted_total", "counter", "Rounds aborted below the minimum of factories.", [({}, len(rounds) - len(completed))])
+    last = rounds[-1] if rounds else None
+    metric("fedforge_round_duration_seconds", "gauge", "Wall time of the latest round.", [({}, last.seconds if last else 0.0)])
+    metric("fedforge_round_participants", "gauge", "Factories in the latest round's aggregate.", [({}, len(last.participants) if last else 0)])
+    metric("fedforge_factory_failures_total", "counter", "Factory failures across rounds.", [({}, sum(len(r.failures) for r in rounds))])
+    versions = reg.versions()
+    metric("fedforge_versions_created_total", "counter", "Model versions written to the registry.", [({}, len(versions))])
+    metric("fedforge_model_bytes_total", "counter", "Bytes of model versions stored.", [({}, sum(v.size_bytes for v in versions))])
+    metric("fedforge_latest_accuracy", "gauge", "Central accuracy of the latest completed round.", [({}, completed[-1].accuracy if completed else 0.0)])
+    spend = latest_privacy(reg)
+    metric("fedforge_privacy_epsilon_spent", "gauge", "Privacy budget spent per factory.",
+           [({"factory": f}, p.get("epsilon-spent", 0.0)) for f, p in sorted(spend.items())])
+    metric("fedforge_privacy_epsilon_max", "gauge", "Privacy budget per factory.", [({"factory": f}, p.get("epsilon-max", 0.0)) for f, p in sorted(spend.items())])
+    return "\n".join(lines) + "\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -1,0 +1,191 @@
+"""The dashboard over a registry filled by a real (short) federation: API, auth, SSE, fuzzing, a real browser."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+
+from common.procs import free_port, wait_for_port
+from server.dashboard.app import DashboardSettings, create_app, serve_dashboard
+from server.registry.service import Registry
+
+pytestmark = pytest.mark.slow
+ADMIN = "test-admin-token-7f3a"
+ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+
+
+@pytest.fixture(scope="module")
+def registry_dir(tmp_path_factory) -> Path:
+    """A registry written by `fedforge demo` (2 factories with DP, 2 secure rounds)."""
+    root = tmp_path_factory.mktemp("dash")
+    proc = subprocess.run(
+        [sys.executable, "-m", "common.cli", "demo", "--factories", "2", "--rounds", "2", "--train-size", "200", "--local-epochs", "1",
+         "--dp", "--epsilon", "8", "--min-factories", "2", "--workdir", str(root), "--json", str(root / "summary.json")],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root / "central" / "registry"
+
+
+def _serve(registry_dir: Path, **kw):
+    port = free_port()
+    server = serve_dashboard(DashboardSettings(registry_dir, poll_seconds=0.2, **kw), "127.0.0.1", port)
+    wait_for_port("127.0.0.1", port, 30)
+    return server, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def dashboard(registry_dir):
+    server, url = _serve(registry_dir, admin_token=ADMIN)
+    yield url
+    server.should_exit = True
+
+
+def test_api_shows_the_real_run(dashboard, registry_dir):
+    reg = Registry.at(registry_dir)
+    (run,) = reg.runs()
+    with httpx.Client(base_url=dashboard) as c:
+        runs = c.get("/api/v1/runs").json()
+        assert [r["id"] for r in runs] == [run.id] and runs[0]["status"] == "finished" and runs[0]["rounds_completed"] == 2
+        detail = c.get(f"/api/v1/runs/{run.id}").json()
+        assert [r["accuracy"] for r in detail["rounds"]] == [r.accuracy for r in reg.rounds(run.id)]
+        versions = c.get("/api/v1/versions").json()
+        assert {v["id"] for v in versions} == {v.id for v in reg.versions()}
+        newest = versions[0]
+        v = c.get(f"/api/v1/versions/{newest['id']}").json()
+        assert v["signature_status"] == "valid" and len(v["lineage"]) == 3 and v["lineage"][-1]["kind"] == "initial"
+        privacy = c.get("/api/v1/privacy").json()
+        assert {p["factory"] for p in privacy} == {"factory-0", "factory-1"}
+        assert all(0 < p["epsilon_spent"] <= p["epsilon_max"] == 8.0 for p in privacy)
+        factories = c.get("/api/v1/factories").json()
+        assert [f["status"] for f in factories] == ["ok", "ok"]
+        metrics = c.get("/metrics").text
+        assert "fedforge_rounds_completed_total 2" in metrics and 'fedforge_privacy_epsilon_spent{factory="factory-0"}' in metrics
+        assert c.get(f"/api/v1/versions/{newest['id']}/download").content == reg.artifacts.get(newest["sha256"])
+
+
+def test_state_changes_need_the_admin_token(dashboard, registry_dir):
+    reg = Registry.at(registry_dir)
+    target = reg.versions()[1].id
+    with httpx.Client(base_url=dashboard) as c:
+        assert c.post(f"/api/v1/versions/{target}/approve", json={}).status_code == 401
+        assert c.post(f"/api/v1/versions/{target}/approve", json={}, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert reg.get_version(target).status == "candidate"
+        ok = c.post(f"/api/v1/versions/{target}/approve", json={"note": "qa passed", "actor": "alice"}, headers={"Authorization": f"Bearer {ADMIN}"})
+        assert ok.status_code == 200 and ok.json()["status"] == "approved"
+        assert reg.actions(version_id=target)[-1].actor == "dashboard:alice"
+        conflict = c.post(f"/api/v1/versions/{'0' * 32}/revoke", json={}, headers={"Authorization": f"Bearer {ADMIN}"})
+        assert conflict.status_code == 404
+
+
+def test_read_only_without_admin_token_and_view_token(registry_dir):
+    server, url = _serve(registry_dir, view_token="viewer-secret")
+    try:
+        with httpx.Client(base_url=url) as c:
+            assert c.get("/api/v1/versions").status_code == 401
+            assert c.get("/api/v1/versions", headers={"Authorization": "Bearer viewer-secret"}).status_code == 200
+            page = c.get("/versions?token=viewer-secret")
+            assert page.status_code == 200 and c.get("/versions").status_code == 200  # the cookie carries the view token
+            vid = Registry.at(registry_dir).versions()[0].id
+            r = c.post(f"/api/v1/versions/{vid}/revoke", json={}, headers={"Authorization": "Bearer viewer-secret"})
+            assert r.status_code == 403 and "disabled" in r.json()["detail"]
+    finally:
+        server.should_exit = True
+
+
+def test_malformed_ids_and_traversal_get_4xx(dashboard):
+    with httpx.Client(base_url=dashboard) as c:
+        for path in ("/api/v1/versions/xyz", "/api/v1/versions/..%2F..%2Fetc%2Fpasswd", "/api/v1/versions/" + "a" * 33,
+                     "/api/v1/runs/..%2Fsecret", "/versions/../../etc/passwd", "/api/v1/versions/" + "0" * 32 + "/download",
+                     "/api/v1/versions?status=bogus"):
+            r = c.get(path)
+            assert 400 <= r.status_code < 500, (path, r.status_code)
+
+
+def test_live_updates_arrive_as_server_sent_events(dashboard, registry_dir):
+    reg = Registry.at(registry_dir)
+    target = reg.versions()[0].id
+    with httpx.Client(base_url=dashboard, timeout=30) as c, c.stream("GET", "/api/v1/events") as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        reg.approve(target, actor="sse-test")
+        second = next(line for line in lines if line.startswith("data:"))
+    assert first != second
+
+
+@pytest.fixture
+def api_app(registry_dir):
+    return create_app(DashboardSettings(registry_dir, admin_token=ADMIN, poll_seconds=0.05))
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+@pytest.fixture
+def api_schema(api_app):
+    return schemathesis.openapi.from_asgi("/openapi.json", api_app)
+
+
+@schema.parametrize()
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+def test_fuzzed_requests_never_cause_a_server_error(case):
+    if case.path == "/api/v1/events":
+        return  # an endless stream by design
+    response = case.call()
+    assert response.status_code < 500, f"{case.method} {case.formatted_path} -> {response.status_code}: {response.text[:300]}"
+    if case.method == "POST":
+        assert 400 <= response.status_code < 500  # never changed state without the token
+
+
+def test_browser_shows_real_numbers_and_approves_with_the_token(registry_dir):
+    from selenium import webdriver
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    server, url = _serve(registry_dir, admin_token=ADMIN)
+    options = webdriver.ChromeOptions()
+    options.binary_location = "/usr/bin/chromium"
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1366,900"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=webdriver.ChromeService("/usr/bin/chromedriver"), options=options)
+    ARTIFACTS.mkdir(exist_ok=True)
+    reg = Registry.at(registry_dir)
+    (run,) = reg.runs()
+    try:
+        driver.get(url + "/")
+        points = driver.find_elements(By.CSS_SELECTOR, 'svg[data-chart="Global accuracy per round"] circle')
+        shown = sorted((int(p.get_attribute("data-x")), float(p.get_attribute("data-y"))) for p in points)
+        expected = [(r.server_round, round(r.accuracy, 4)) for r in reg.rounds(run.id) if r.status == "completed"]
+        assert shown == expected
+        assert driver.find_element(By.ID, "round-progress").text == "2 / 2"
+        driver.save_screenshot(str(ARTIFACTS / "dashboard-overview.png"))
+
+        driver.get(url + "/versions")
+        rows = driver.find_elements(By.CSS_SELECTOR, "#versions-table tr[data-version]")
+        assert {r.get_attribute("data-version") for r in rows} == {v.id for v in reg.versions()}
+        candidate = next(v for v in reversed(reg.versions()) if v.status == "candidate")
+        row = driver.find_element(By.CSS_SELECTOR, f'tr[data-version="{candidate.id}"] td.accuracy')
+        assert row.text == f"{candidate.metrics['accuracy']:.4f}"
+        driver.save_screenshot(str(ARTIFACTS / "dashboard-versions.png"))
+
+        driver.get(url + f"/versions/{candidate.id}")
+        assert driver.find_element(By.ID, "signature-status").text == "valid"
+        driver.find_element(By.ID, "admin-token").send_keys(ADMIN)
+        driver.find_element(By.ID, "admin-save").click()
+        driver.find_element(By.ID, "action-note").send_keys("approved in the browser test")
+        driver.find_element(By.ID, "approve").click()
+        WebDriverWait(driver, 10).until(EC.alert_is_present()).accept()
+        WebDriverWait(driver, 10).until(lambda d: reg.get_version(candidate.id).status == "approved")
+        WebDriverWait(driver, 10).until(lambda d: "approved" in d.find_element(By.ID, "version-status").text)  # live update, no reload
+        driver.save_screenshot(str(ARTIFACTS / "dashboard-version-approved.png"))
+        assert reg.actions(version_id=candidate.id)[-1].note == "approved in the browser test"
+    finally:
+        driver.quit()
+        server.should_exit = True
