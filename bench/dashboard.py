@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""Dashboard API under bounded load: /api/v1/versions vs a minimal FastAPI endpoint served the same way.
+
+Both apps run in their own uvicorn process on loopback; this process sends a fixed number of
+requests from a few threads (keep-alive clients) and reports requests/s and p99 latency, then the
+ratio dashboard / minimal.
+
+    python bench/dashboard.py [--versions 200] [--requests 2000] [--threads 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from common.procs import free_port, wait_for_port  # noqa: E402
+from server.registry.service import NewVersion, Registry  # noqa: E402
+
+MINIMAL = "from fastapi import FastAPI\napp = FastAPI()\n@app.get('/ping')\ndef ping():\n    return {'ok': True}\n"
+DASHBOARD = ("import sys\nfrom pathlib import Path\nfrom server.dashboard.app import DashboardSettings, create_app\n"
+             "app = create_app(DashboardSettings(Path(sys.argv[-1])))\n")
+
+
+def load(url: str, requests: int, threads: int) -> dict[str, float]:
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def worker(n: int) -> None:
+        local = []
+        with httpx.Client() as c:
+            for _ in range(n):
+                t = time.perf_counter()
+                r = c.get(url)
+                local.append(time.perf_counter() - t)
+                assert r.status_code == 200
+        with lock:
+            latencies.extend(local)
+
+    with httpx.Client() as c:
+        for _ in range(20):
+            c.get(url)  # warm-up
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=worker, args=(requests // threads,)) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {"rps": len(latencies) / wall, "p50_ms": statistics.median(latencies) * 1e3, "p99_ms": float(np.percentile(latencies, 99)) * 1e3}
+
+
+def serve(tmp: Path, name: str, source: str, extra: list[str]) -> tuple[subprocess.Popen, int]:
+    (tmp / f"{name}.py").write_text(source)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path[:0]=[{str(tmp)!r}, {str(ROOT)!r}]; import uvicorn, {name}; "
+                             f"uvicorn.run({name}.app, host='127.0.0.1', port={port}, log_level='warning', access_log=False)", *extra],
+                            stdout=subprocess.DEVNULL)
+    wait_for_port("127.0.0.1", port, 60, proc)
+    return proc, port
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--versions", type=int, default=200)
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--threads", type=int, default=4)
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        reg = Registry.at(tmp / "registry", create_key=True)
+        parent = None
+        for i in range(a.versions):
+            parent = reg.add_version(NewVersion(run_id="bench", server_round=i, parent_id=parent.id if parent else None, kind="fedavg",
+                                                architecture="cnn-small", weights=OrderedDict(w=np.zeros(8, np.float32)),
+                                                metrics={"accuracy": 0.5}, participants=["a", "b", "c"]))
+        procs = []
+        try:
+            mp, mport = serve(tmp, "minimal_app", MINIMAL, [])
+            procs.append(mp)
+            dp, dport = serve(tmp, "dashboard_app", DASHBOARD, [str(tmp / "registry")])
+            procs.append(dp)
+            minimal = load(f"http://127.0.0.1:{mport}/ping", a.requests, a.threads)
+            dash = load(f"http://127.0.0.1:{dport}/api/v1/versions", a.requests, a.threads)
+        finally:
+            for proc in procs:
+                proc.terminate()
+                proc.wait(10)
+    print(json.dumps({"versions": a.versions, "minimal": minimal, "versions_api": dash}))
+    print(f"minimal endpoint: {minimal['rps']:.0f} req/s, p99 {minimal['p99_ms']:.1f} ms")
+    print(f"/api/v1/versions ({a.versions} versions): {dash['rps']:.0f} req/s, p99 {dash['p99_ms']:.1f} ms")
+    print(f"ratio versions/minimal: throughput {dash['rps'] / minimal['rps']:.2f}, p99 {dash['p99_ms'] / minimal['p99_ms']:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
