@@ -155,7 +155,8 @@ def serve(cfg: AgentConfig) -> Agent:
 
         serving = ServingModel()
         edge_pb2_grpc.add_InspectionServicer_to_server(InspectionServicer(serving), server)
-        client = ModelClient(cfg.registry, load_public(cfg.registry_public_key), Path(cfg.state_dir) / "models")
+        credentials = grpc.ssl_channel_credentials(Path(cfg.registry_ca).read_bytes()) if cfg.registry_ca else None
+        client = ModelClient(cfg.registry, load_public(cfg.registry_public_key), Path(cfg.state_dir) / "models", credentials)
         follower = ApprovalFollower(client, serving)
     if server.add_insecure_port(cfg.listen) == 0 and not cfg.listen.startswith("unix:"):
         raise RuntimeError(f"edge agent could not listen on {cfg.listen}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from dataclasses import replace
 import threading
 import time
 from pathlib import Path
@@ -86,15 +87,25 @@ def agent(**kw: object) -> None:
 @click.option("--superlink", default="127.0.0.1:8000", help="The central SuperLink's address.")
 @click.option("--supernode-port", default=9094, type=int, help="Local port of this SuperNode's runtime API (one per host).")
 @click.option("--workdir", default="fedforge-factory", type=click.Path(file_okay=False), help="Logs of the SuperNode.")
-@click.option("--insecure/--tls", default=True, help="Plain HTTP to the SuperLink (loopback demos only).")
-@click.option("--root-certificates", default=None, type=click.Path(dir_okay=False, exists=True), help="CA certificate for TLS to the SuperLink.")
-def client(superlink: str, supernode_port: int, workdir: str, insecure: bool, root_certificates: str | None, **kw: object) -> None:
+@click.option("--insecure/--tls", default=True, help="Plain HTTP to the SuperLink (loopback demos only) or TLS.")
+@click.option("--root-certificates", default=None, type=click.Path(dir_okay=False, exists=True), help="The federation's CA (ca.pem) for TLS.")
+@click.option("--auth-key", default=None, type=click.Path(dir_okay=False, exists=True), help="This factory's registered authentication key.")
+def client(superlink: str, supernode_port: int, workdir: str, insecure: bool, root_certificates: str | None, auth_key: str | None, **kw: object) -> None:
     """Run one factory: the warm edge agent plus a Flower SuperNode that forwards to it."""
     cfg = _agent_config(kw)
+    if cfg.registry and not insecure and not cfg.registry_ca:
+        cfg = replace(cfg, registry_ca=str(Path(root_certificates).resolve()) if root_certificates else "")
     running = _start_agent(cfg)
     node_config = f"factory-id='{cfg.factory_id}' agent-address='{cfg.listen}'"
     cmd = [shutil.which("flower-supernode") or "flower-supernode", "--superlink", superlink, "--port", str(supernode_port), "--node-config", node_config]
-    cmd += ["--insecure"] if insecure else (["--root-certificates", root_certificates] if root_certificates else [])
+    if insecure:
+        cmd.append("--insecure")
+    elif not root_certificates:
+        raise click.UsageError("--tls needs --root-certificates (the federation's ca.pem)")
+    else:
+        cmd += ["--root-certificates", str(Path(root_certificates).resolve())]
+    if auth_key:
+        cmd += ["--auth-supernode-private-key", str(Path(auth_key).resolve())]
     stop = threading.Event()
     with ProcessSet(Path(workdir) / "logs") as procs:
         try:

@@ -23,6 +23,7 @@ class AgentConfig:
     state_dir: str = "fedforge-factory"  # durable factory state (the privacy ledger, pulled models)
     registry: str = ""  # the central ModelRegistry (host:port); with it, the agent serves Inspection
     registry_public_key: str = ""  # the central site's pinned signing.pub
+    registry_ca: str = ""  # CA certificate for TLS to the registry (empty: plain gRPC on a trusted network)
     # Differential privacy: factory-side settings the server cannot change.
     dp: bool = False
     dp_epsilon: float = 8.0

@@ -22,6 +22,8 @@ COMMANDS: dict[str, str] = {
     "run": "server.cli:run",
     "keys": "server.models_cli:keys",
     "dashboard": "server.cli:dashboard",
+    "certs": "server.cli:certs",
+    "factories": "server.cli:factories",
     "client": "client.cli:client",
     "agent": "client.cli:agent",
 }

@@ -18,13 +18,15 @@ log = logging.getLogger("fedforge.server")
 @click.option("--workdir", default="fedforge-central", type=click.Path(file_okay=False), help="SuperLink database, registry and logs.")
 @click.option("--host", default="127.0.0.1", help="Address the SuperLink binds (0.0.0.0 to accept factories on the network).")
 @click.option("--port", default=8000, type=int, help="SuperLink port (Fleet, Control and Runtime APIs).")
-@click.option("--insecure/--tls", default=True, help="Plain HTTP (loopback demos only).")
+@click.option("--insecure/--tls", default=True, help="Plain HTTP (loopback demos only) or TLS with --certs-dir.")
+@click.option("--certs-dir", default=None, type=click.Path(file_okay=False), help="ca.pem, server.pem, server.key from `fedforge certs`.")
+@click.option("--supernode-auth/--no-supernode-auth", default=None, help="Only registered factories may join (default: on with --tls).")
 @click.option("--registry-listen", default="127.0.0.1:50051", help="ModelRegistry gRPC address ('' to not serve it).")
 @click.option("--dashboard-listen", default="127.0.0.1:8080", help="Web dashboard address ('' to not serve it).")
 @click.option("--admin-token", default=None, envvar="FEDFORGE_ADMIN_TOKEN", help="Token for dashboard actions (approve, revoke, stop); none: read-only.")
 @click.option("--view-token", default=None, envvar="FEDFORGE_VIEW_TOKEN", help="Token required to view the dashboard; none: open.")
-def server(workdir: str, host: str, port: int, insecure: bool, registry_listen: str, dashboard_listen: str, admin_token: str | None,
-           view_token: str | None) -> None:
+def server(workdir: str, host: str, port: int, insecure: bool, certs_dir: str | None, supernode_auth: bool | None, registry_listen: str,
+           dashboard_listen: str, admin_token: str | None, view_token: str | None) -> None:
     """Run the central site: a Flower SuperLink with a durable database (restarted if it dies) and the model registry."""
     from common.signing import key_id
     from server.registry.grpc_service import serve_registry
@@ -34,17 +36,32 @@ def server(workdir: str, host: str, port: int, insecure: bool, registry_listen: 
     root.mkdir(parents=True, exist_ok=True)
     registry = Registry.at(root / "registry", create_key=True)
     log.info("registry %s, signing key id %s", root / "registry", key_id(registry.signing_key.public_key()))
-    registry_server = serve_registry(registry, registry_listen)[0] if registry_listen else None
+    tls = None
+    if not insecure:
+        if not certs_dir:
+            raise click.UsageError("--tls needs --certs-dir (create one with `fedforge certs`)")
+        try:
+            tls = launch.tls_files(certs_dir)
+        except FileNotFoundError as exc:
+            raise click.UsageError(str(exc)) from None
+    auth = (not insecure) if supernode_auth is None else supernode_auth
+    credentials = None
+    if tls:
+        import grpc
+
+        credentials = grpc.ssl_server_credentials([(Path(tls["key"]).read_bytes(), Path(tls["cert"]).read_bytes())])
+    registry_server = serve_registry(registry, registry_listen, credentials)[0] if registry_listen else None
     dashboard = None
     if dashboard_listen:
         from server.dashboard.app import DashboardSettings, serve_dashboard
 
-        home = launch.flwr_home(root, f"{'127.0.0.1' if host == '0.0.0.0' else host}:{port}")
+        home = launch.flwr_home(root, f"{'127.0.0.1' if host == '0.0.0.0' else host}:{port}", insecure=tls is None,
+                                root_certificates=tls["ca"] if tls else None)
         d_host, _, d_port = dashboard_listen.rpartition(":")
         dashboard = serve_dashboard(DashboardSettings(root / "registry", admin_token, view_token,
                                                       stop_run=lambda run_id: launch.stop_run(home, run_id)), d_host, int(d_port))
         log.info("dashboard on http://%s%s", dashboard_listen, "" if admin_token else " (read-only: no --admin-token)")
-    cmd = launch.superlink_command(root, host, port, insecure=insecure)
+    cmd = launch.superlink_command(root, host, port, insecure=tls is None, tls=tls, supernode_auth=auth)
     with ProcessSet(root / "logs") as procs:
         try:
             restarts = 0
@@ -87,12 +104,14 @@ def parse_overrides(pairs: tuple[str, ...]) -> dict[str, object]:
 @click.option("--workdir", default="fedforge-central", type=click.Path(file_okay=False), help="Where the Flower CLI config is kept.")
 @click.option("--registry-dir", default=None, type=click.Path(file_okay=False), help="Registry directory (default: <workdir>/registry).")
 @click.option("--rounds", default=3, type=int, help="Number of server rounds.")
+@click.option("--root-certificates", default=None, type=click.Path(dir_okay=False, exists=True), help="CA certificate when the SuperLink uses TLS.")
 @click.option("--set", "overrides", multiple=True, help="Any run-config key, e.g. --set lr=0.002 (repeatable).")
-def run(superlink: str, workdir: str, registry_dir: str | None, rounds: int, overrides: tuple[str, ...]) -> None:
+def run(superlink: str, workdir: str, registry_dir: str | None, rounds: int, root_certificates: str | None, overrides: tuple[str, ...]) -> None:
     """Submit a federation run to a SuperLink and print its run id."""
     root = Path(workdir).resolve()
     config = {"num-server-rounds": rounds, "registry-dir": str(Path(registry_dir or root / "registry").resolve()), **parse_overrides(overrides)}
-    home = launch.flwr_home(root, superlink)
+    home = launch.flwr_home(root, superlink, insecure=root_certificates is None,
+                            root_certificates=str(Path(root_certificates).resolve()) if root_certificates else None)
     click.echo(launch.submit_run(home, config))
 
 
@@ -110,3 +129,57 @@ def dashboard(registry_dir: str, host: str, port: int, admin_token: str | None, 
 
     click.echo(f"FedForge dashboard on http://{host}:{port}{'' if admin_token else '  (read-only: no --admin-token)'}")
     uvicorn.run(create_app(DashboardSettings(Path(registry_dir).resolve(), admin_token, view_token)), host=host, port=port, log_level="warning")
+
+
+@click.command()
+@click.option("--dir", "directory", default="fedforge-certs", type=click.Path(file_okay=False), help="Where to write the files.")
+@click.option("--san", "sans", multiple=True, default=("localhost", "127.0.0.1"), show_default=True,
+              help="A DNS name or IP address factories dial (repeatable).")
+@click.option("--factory", "factories", multiple=True, help="Also create this factory's authentication key (repeatable).")
+def certs(directory: str, sans: tuple[str, ...], factories: tuple[str, ...]) -> None:
+    """Create the federation CA, the central site's TLS certificate and factory authentication keys."""
+    from server.certs import create_ca, create_factory_key, create_server_cert
+
+    d = Path(directory).resolve()
+    ca, _ = create_ca(d)
+    click.echo(f"CA               {ca}   (copy to every factory)")
+    if not (d / "server.key").exists():
+        cert, _ = create_server_cert(d, list(sans))
+        click.echo(f"server cert      {cert}   SANs: {', '.join(sans)}")
+    for name in factories:
+        try:
+            key, pub = create_factory_key(d, name)
+        except (FileExistsError, ValueError) as exc:
+            raise click.ClickException(str(exc)) from None
+        click.echo(f"factory {name:8s} {key} (copy to the factory) / {pub} (register with `fedforge factories add {name}`)")
+
+
+@click.group()
+def factories() -> None:
+    """Register factories (SuperNode authentication keys) with the SuperLink."""
+
+
+@factories.command("add")
+@click.argument("names", nargs=-1, required=True)
+@click.option("--certs-dir", default="fedforge-certs", type=click.Path(file_okay=False), help="From `fedforge certs`.")
+@click.option("--superlink", default="127.0.0.1:8000", help="SuperLink address.")
+@click.option("--workdir", default="fedforge-central", type=click.Path(file_okay=False), help="Where the Flower CLI config is kept.")
+def factories_add(names: tuple[str, ...], certs_dir: str, superlink: str, workdir: str) -> None:
+    """Create (if needed) and register each factory's public key; print what to copy to the factory."""
+    from server.certs import create_factory_key
+
+    d = Path(certs_dir).resolve()
+    home = launch.flwr_home(Path(workdir).resolve(), superlink, insecure=False, root_certificates=str(d / "ca.pem"))
+    for name in names:
+        key, pub = d / "factories" / name, d / "factories" / f"{name}.pub"
+        if not key.exists():
+            try:
+                key, pub = create_factory_key(d, name)
+            except ValueError as exc:
+                raise click.ClickException(str(exc)) from None
+        try:
+            node_id = launch.register_supernode(home, pub)
+        except RuntimeError as exc:
+            raise click.ClickException(str(exc)) from None
+        click.echo(f"registered factory {name} (SuperNode {node_id}). Copy to the factory: {d / 'ca.pem'} and {key}, then run")
+        click.echo(f"  fedforge client --factory-id {name} --superlink {superlink} --tls --root-certificates ca.pem --auth-key {name}")

@@ -15,7 +15,8 @@ import tomli_w
 CONNECTION = "fedforge"
 
 
-def superlink_command(workdir: Path, host: str, port: int, insecure: bool = True, tls: Mapping[str, str] | None = None) -> list[str]:
+def superlink_command(workdir: Path, host: str, port: int, insecure: bool = True, tls: Mapping[str, str] | None = None,
+                      supernode_auth: bool = False) -> list[str]:
     """The exact SuperLink command line FedForge runs (compose runs the same)."""
     cmd = [
         shutil.which("flower-superlink") or "flower-superlink",
@@ -27,7 +28,31 @@ def superlink_command(workdir: Path, host: str, port: int, insecure: bool = True
         cmd.append("--insecure")
     elif tls:
         cmd += ["--ssl-ca-certfile", tls["ca"], "--ssl-certfile", tls["cert"], "--ssl-keyfile", tls["key"]]
+    if supernode_auth:
+        cmd.append("--enable-supernode-auth")  # only factories registered with `fedforge factories add` may join
     return cmd
+
+
+def tls_files(certs_dir: str | Path) -> dict[str, str]:
+    d = Path(certs_dir).resolve()
+    files = {"ca": str(d / "ca.pem"), "cert": str(d / "server.pem"), "key": str(d / "server.key")}
+    missing = [f for f in files.values() if not Path(f).exists()]
+    if missing:
+        raise FileNotFoundError(f"missing TLS files {missing}; create them with `fedforge certs --dir {d}`")
+    return files
+
+
+def register_supernode(home: Path, public_key: str | Path, timeout: float = 60.0) -> str:
+    """``flwr supernode register KEY.pub fedforge``; returns Flower's node id."""
+    proc = subprocess.run([shutil.which("flwr") or "flwr", "supernode", "register", str(public_key), CONNECTION, "--format", "json"],
+                          env=flwr_env(home), capture_output=True, text=True, timeout=timeout)
+    try:
+        out = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        out = {}
+    if proc.returncode != 0 or not out.get("success", False):
+        raise RuntimeError(f"registering {public_key} failed: {proc.stdout.strip()} {proc.stderr.strip()}"[-1500:])
+    return str(out.get("node-id", ""))
 
 
 def app_dir() -> Path:

@@ -8,6 +8,7 @@ serves, and submits runs. ``fedforge demo``, the end-to-end tests and the benchm
 from __future__ import annotations
 
 import shutil
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -48,6 +49,11 @@ class LocalFederation:
     registry_port: int = 0
     dashboard_port: int = 0
     admin_token: str = ""
+    tls: bool = False  # TLS everywhere and SuperNode authentication (certificates made under <root>/certs)
+
+    @property
+    def certs_dir(self) -> Path:
+        return self.root / "certs"
     factories: list[Factory] = field(default_factory=list)
 
     @property
@@ -69,9 +75,13 @@ class LocalFederation:
     def start_central(self) -> None:
         self.registry_port = self.registry_port or free_port()
         self.dashboard_port = self.dashboard_port or free_port()
+        tls_flags = []
+        if self.tls:
+            subprocess.run(fedforge_command() + ["certs", "--dir", str(self.certs_dir)], check=True, capture_output=True)
+            tls_flags = ["--tls", "--certs-dir", str(self.certs_dir)]
         proc = self.procs.start("central", fedforge_command() + [
             "server", "--workdir", str(self.root / "central"), "--port", str(self.port), "--registry-listen", self.registry_address,
-            "--dashboard-listen", f"127.0.0.1:{self.dashboard_port}",
+            "--dashboard-listen", f"127.0.0.1:{self.dashboard_port}", *tls_flags,
         ], env={"FEDFORGE_ADMIN_TOKEN": self.admin_token} if self.admin_token else None)
         wait_for_port("127.0.0.1", self.port, timeout=90, proc=proc)
 
@@ -84,10 +94,14 @@ class LocalFederation:
         """One factory; with ``separate_agent`` its agent and SuperNode are separate processes."""
         f = Factory(index, f"factory-{index}", f"127.0.0.1:{free_port()}", free_port())
         ff = fedforge_command()
+        security = ["--insecure"]
+        if self.tls:
+            self.register(f.factory_id)
+            security = ["--tls", "--root-certificates", str(self.certs_dir / "ca.pem"), "--auth-key", str(self.certs_dir / "factories" / f.factory_id)]
         if not separate_agent:
             self.procs.start(f.factory_id, ff + [
                 "client", "--factory-id", f.factory_id, "--superlink", self.superlink, "--agent-listen", f.agent_address,
-                "--supernode-port", str(f.supernode_port), "--workdir", str(self.root / f.factory_id), *self._data_flags(index),
+                "--supernode-port", str(f.supernode_port), "--workdir", str(self.root / f.factory_id), *security, *self._data_flags(index),
             ])
             f.process_names = [f.factory_id]
         else:
@@ -122,7 +136,16 @@ class LocalFederation:
                         raise TimeoutError(f"edge agent at {address} not serving after {timeout:.0f}s") from None
                     time.sleep(0.2)
 
+    def register(self, name: str) -> None:
+        """``fedforge factories add NAME``: what an operator runs before a factory may join."""
+        proc = subprocess.run(fedforge_command() + ["factories", "add", name, "--certs-dir", str(self.certs_dir), "--superlink", self.superlink,
+                                                    "--workdir", str(self.root / "central")], capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"fedforge factories add {name} failed: {proc.stdout} {proc.stderr}"[-2000:])
+
     def flwr_home(self) -> Path:
+        if self.tls:
+            return launch.flwr_home(self.root / "central", self.superlink, insecure=False, root_certificates=str(self.certs_dir / "ca.pem"))
         return launch.flwr_home(self.root / "central", self.superlink)
 
     def run_config(self, rounds: int, **overrides: Any) -> dict[str, Any]:
