@@ -59,3 +59,75 @@ def test_tls_federation_admits_only_registered_factories(tmp_path, no_leftover_p
         code, out = _supernode(fed, tmp_path / "wrong-ca.log", "--root-certificates", str(other_ca),
                                "--auth-supernode-private-key", str(fed.certs_dir / "factories" / "factory-0"))
         assert code > 0 and "SSL/TLS handshake error" in out, out[-2000:]
+
+
+def _compose_config(env: dict[str, str]) -> dict:
+    """compose.yaml with every ${VARIABLE} resolved, by the compose implementation present."""
+    import shutil
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    if shutil.which("docker-compose"):
+        cmd = ["docker-compose", "-f", str(root / "compose.yaml"), "config"]
+    else:
+        cmd = ["docker", "compose", "-f", str(root / "compose.yaml"), "config"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, cwd=root, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return yaml.safe_load(proc.stdout)
+
+
+def test_compose_file_validates():
+    config = _compose_config({"FEDFORGE_ADMIN_TOKEN": "x"})
+    assert {"central", "factory-a", "factory-b", "factory-c", "certs", "register", "run"} <= set(config["services"])
+    central = config["services"]["central"]
+    assert "--tls" in central["command"] and "--supernode-auth" in central["command"] and central["restart"] == "unless-stopped"
+    assert all("--auth-key" in config["services"][f]["command"] for f in ("factory-a", "factory-b", "factory-c"))
+    assert {"central-data", "factory-a-state", "certs"} <= set(config["volumes"])
+
+
+def test_compose_commands_run_as_local_processes(tmp_path, no_leftover_processes):
+    """The services' exact commands and environment, resolved by compose, started as processes on 127.0.0.1."""
+    from common.procs import wait_for_port
+    from server.local import fedforge_command
+
+    env = {
+        "FEDFORGE_ADMIN_TOKEN": "compose-test", "CERTS_DIR": str(tmp_path / "certs"), "CENTRAL_DATA": str(tmp_path / "central"),
+        "CENTRAL_HOST": "127.0.0.1", "BIND_HOST": "127.0.0.1", "SUPERLINK_PORT": str(free_port()), "REGISTRY_PORT": str(free_port()),
+        "DASHBOARD_PORT": str(free_port()), "REGISTER_HOME": str(tmp_path / "register"), "RUN_HOME": str(tmp_path / "run"), "ROUNDS": "1",
+    }
+    for f in ("A", "B", "C"):
+        env |= {f"FACTORY_{f}_AGENT": f"127.0.0.1:{free_port()}", f"FACTORY_{f}_SUPERNODE_PORT": str(free_port()),
+                f"FACTORY_{f}_STATE": str(tmp_path / f"factory-{f.lower()}")}
+    services = _compose_config(env)["services"]
+
+    def command(name: str) -> tuple[list[str], dict[str, str]]:
+        svc = services[name]
+        return fedforge_command() + [str(a) for a in svc["command"]], {k: str(v) for k, v in (svc.get("environment") or {}).items()}
+
+    def once(name: str) -> str:
+        cmd, svc_env = command(name)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **svc_env}, timeout=180)
+        assert proc.returncode == 0, f"{name}: {proc.stdout[-1500:]} {proc.stderr[-1500:]}"
+        return proc.stdout
+
+    with ProcessSet(tmp_path / "logs") as procs:
+        once("certs")
+        cmd, svc_env = command("central")
+        central = procs.start("central", cmd, env=svc_env)
+        wait_for_port("127.0.0.1", int(env["SUPERLINK_PORT"]), 90, central)
+        once("register")
+        for f in ("a", "b", "c"):
+            cmd, svc_env = command(f"factory-{f}")
+            procs.start(f"factory-{f}", cmd, env=svc_env)
+        flwr_run_id = once("run").strip().splitlines()[-1]
+        registry = Registry.at(tmp_path / "central" / "registry")
+        deadline = time.monotonic() + 400
+        while (run := registry.get_run(f"run-{flwr_run_id}")) is None or run.status == "running":
+            assert time.monotonic() < deadline, "the compose federation did not finish"
+            assert not procs.dead(), procs.dead()
+            time.sleep(0.5)
+    rounds = registry.rounds(f"run-{flwr_run_id}")
+    assert run.status == "finished" and [r.status for r in rounds] == ["completed"]
+    assert rounds[0].participants == ["factory-a", "factory-b", "factory-c"]
+    assert all(v.signature for v in registry.versions(f"run-{flwr_run_id}"))
