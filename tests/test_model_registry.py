@@ -182,7 +182,6 @@ def test_large_model_streams_in_bounded_memory(central, tmp_path):
     assert v.size_bytes > 100 * 1024 * 1024
     script = textwrap.dedent(f"""
         from client.models import ModelClient
-from common.models import build_model
         from common.signing import load_public
         m = ModelClient({address!r}, load_public({str(tmp_path / "keys" / "signing.pub")!r}), {str(tmp_path / "edge")!r})
         m.pull({v.id!r})
