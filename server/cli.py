@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from common.procs import ProcessSet, wait_for_port
+from common.procs import ProcessSet, stop_process, wait_for_port
 from server import launch
 
 log = logging.getLogger("fedforge.server")
@@ -25,8 +25,10 @@ log = logging.getLogger("fedforge.server")
 @click.option("--dashboard-listen", default="127.0.0.1:8080", help="Web dashboard address ('' to not serve it).")
 @click.option("--admin-token", default=None, envvar="FEDFORGE_ADMIN_TOKEN", help="Token for dashboard actions (approve, revoke, stop); none: read-only.")
 @click.option("--view-token", default=None, envvar="FEDFORGE_VIEW_TOKEN", help="Token required to view the dashboard; none: open.")
+@click.option("--rounds", default=0, type=int, help="Run a federation of this many rounds and keep it going across crashes (0: only serve).")
+@click.option("--set", "overrides", multiple=True, help="Run-config key=value for --rounds (repeatable).")
 def server(workdir: str, host: str, port: int, insecure: bool, certs_dir: str | None, supernode_auth: bool | None, registry_listen: str,
-           dashboard_listen: str, admin_token: str | None, view_token: str | None) -> None:
+           dashboard_listen: str, admin_token: str | None, view_token: str | None, rounds: int, overrides: tuple[str, ...]) -> None:
     """Run the central site: a Flower SuperLink with a durable database (restarted if it dies) and the model registry."""
     from common.signing import key_id
     from server.registry.grpc_service import serve_registry
@@ -62,6 +64,13 @@ def server(workdir: str, host: str, port: int, insecure: bool, certs_dir: str | 
                                                       stop_run=lambda run_id: launch.stop_run(home, run_id)), d_host, int(d_port))
         log.info("dashboard on http://%s%s", dashboard_listen, "" if admin_token else " (read-only: no --admin-token)")
     cmd = launch.superlink_command(root, host, port, insecure=tls is None, tls=tls, supernode_auth=auth)
+    supervisor = None
+    if rounds > 0:
+        from server.supervisor import FederationSupervisor
+
+        connect = f"{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
+        supervisor = FederationSupervisor(registry, launch.flwr_home(root, connect, insecure=tls is None, root_certificates=tls["ca"] if tls else None),
+                                          rounds, {"registry-dir": str(root / "registry"), **parse_overrides(overrides)})
     with ProcessSet(root / "logs") as procs:
         try:
             restarts = 0
@@ -69,15 +78,20 @@ def server(workdir: str, host: str, port: int, insecure: bool, certs_dir: str | 
                 proc = procs.start("superlink", cmd, env={"FLWR_TELEMETRY_ENABLED": "0"}, cwd=root)
                 wait_for_port(host if host != "0.0.0.0" else "127.0.0.1", port, timeout=60, proc=proc)
                 log.info("SuperLink pid %d listening on %s:%d (workdir %s)", proc.pid, host, port, root)
+                if supervisor is not None and supervisor.ident is None:
+                    supervisor.start()
                 while proc.poll() is None:
                     time.sleep(0.5)
                 restarts += 1
                 log.warning("SuperLink exited with %s; restart %d", proc.returncode, restarts)
                 procs.procs.remove(("superlink", proc))
+                stop_process(proc)  # its orphaned ServerApp must not outlive it
                 time.sleep(min(30, 2**restarts))
         except KeyboardInterrupt:
             log.info("stopping the central site")
         finally:
+            if supervisor is not None:
+                supervisor.stop()
             if registry_server is not None:
                 registry_server.stop(grace=1)
             if dashboard is not None:

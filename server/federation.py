@@ -68,6 +68,7 @@ class FederationConfig:
     update_clip: float = 10.0  # L2 bound on each factory's update before masking
     secagg_scale: float = 2.0**24  # fixed-point scale
     max_weight: int = 100_000  # cap on a factory's example-count weight
+    resume_from: str = ""  # a version id: continue the federation from it (after a crash); rounds keep their numbers
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> FederationConfig:
@@ -124,11 +125,17 @@ class Federation:
         self.registry.start_run(self.run_id, self.flwr_run_id, asdict(cfg))
         log.info("run %s: %d rounds of %s, registry %s", self.run_id, cfg.num_server_rounds, cfg.architecture, cfg.registry_dir)
         try:
-            weights = OrderedDict((k, v.detach().numpy().copy()) for k, v in self.model.state_dict().items())
-            initial = self._evaluate(weights)
-            version = self._record_version(0, None, "initial", weights, initial, participants=[])
+            if cfg.resume_from:
+                version = self.registry.get_version(cfg.resume_from)
+                if version is None or version.architecture != cfg.architecture:
+                    raise ValueError(f"cannot resume from {cfg.resume_from!r}: no such {cfg.architecture} version in the registry")
+                weights = self.registry.load_weights(version.id)  # sha256-verified
+                log.info("run %s resumes the federation from version %s (round %d)", self.run_id, version.id, version.server_round)
+            else:
+                weights = OrderedDict((k, v.detach().numpy().copy()) for k, v in self.model.state_dict().items())
+                version = self._record_version(0, None, "initial", weights, self._evaluate(weights), participants=[])
             self._wait_for_factories()
-            for server_round in range(1, cfg.num_server_rounds + 1):
+            for server_round in range(version.server_round + 1, cfg.num_server_rounds + 1):
                 weights, version = self._round(server_round, weights, version)
         except BaseException as exc:
             log.exception("run %s failed", self.run_id)

@@ -49,6 +49,7 @@ class LocalFederation:
     registry_port: int = 0
     dashboard_port: int = 0
     admin_token: str = ""
+    central_flags: list[str] = field(default_factory=list)  # extra `fedforge server` flags (e.g. --rounds 3)
     tls: bool = False  # TLS everywhere and SuperNode authentication (certificates made under <root>/certs)
 
     @property
@@ -81,7 +82,7 @@ class LocalFederation:
             tls_flags = ["--tls", "--certs-dir", str(self.certs_dir)]
         proc = self.procs.start("central", fedforge_command() + [
             "server", "--workdir", str(self.root / "central"), "--port", str(self.port), "--registry-listen", self.registry_address,
-            "--dashboard-listen", f"127.0.0.1:{self.dashboard_port}", *tls_flags,
+            "--dashboard-listen", f"127.0.0.1:{self.dashboard_port}", *tls_flags, *self.central_flags,
         ], env={"FEDFORGE_ADMIN_TOKEN": self.admin_token} if self.admin_token else None)
         wait_for_port("127.0.0.1", self.port, timeout=90, proc=proc)
 

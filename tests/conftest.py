@@ -18,11 +18,13 @@ def federation_pids() -> set[int]:
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if state != "Z" and any(w in cmdline for w in WATCHED) and "pytest" not in cmdline:
+        cmdline = " ".join(argv)
+        is_test_runner = any(Path(a).name in ("pytest", "py.test") for a in argv[:2]) or "-m pytest" in cmdline
+        if state != "Z" and any(w in cmdline for w in WATCHED) and not is_test_runner:
             pids.add(int(entry.name))
     return pids
 

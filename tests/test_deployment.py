@@ -131,3 +131,61 @@ def test_compose_commands_run_as_local_processes(tmp_path, no_leftover_processes
     assert run.status == "finished" and [r.status for r in rounds] == ["completed"]
     assert rounds[0].participants == ["factory-a", "factory-b", "factory-c"]
     assert all(v.signature for v in registry.versions(f"run-{flwr_run_id}"))
+
+
+def _pids(pattern: str) -> list[int]:
+    from tests.conftest import federation_pids
+
+    out = []
+    for pid in federation_pids():
+        try:
+            if pattern in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode():
+                out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+def test_central_site_crashes_resume_from_the_registry(tmp_path, no_leftover_processes):
+    """kill -9 the SuperLink mid-round, then the ServerApp mid-round: the federation still finishes its 3 rounds."""
+    import signal
+
+    from common.signing import load_public, verify_manifest, verify_weights
+
+    with ProcessSet(tmp_path / "logs") as procs:
+        fed = LocalFederation(tmp_path, procs, num_factories=2, train_size=200,
+                              central_flags=["--rounds", "3", "--set", "local-epochs=1", "--set", "min-factories=2", "--set", "expected-factories=2"])
+        fed.start()
+        registry = Registry.at(fed.registry_dir)
+
+        def completed_rounds() -> list[int]:
+            return sorted(r.server_round for run in registry.runs() for r in registry.rounds(run.id) if r.status == "completed")
+
+        def wait_for(predicate, what: str, timeout: float = 300) -> None:
+            deadline = time.monotonic() + timeout
+            while not predicate():
+                assert time.monotonic() < deadline, f"timed out waiting for {what}; rounds {completed_rounds()}"
+                time.sleep(0.3)
+
+        wait_for(lambda: completed_rounds() == [1], "round 1")
+        time.sleep(1.0)  # round 2 in flight
+        (superlink,) = _pids(str(tmp_path / "central" / "superlink.db"))
+        os.kill(superlink, signal.SIGKILL)
+        killed_at = time.monotonic()
+        wait_for(lambda: 2 in completed_rounds(), "round 2 after the SuperLink restart")
+        recovery = time.monotonic() - killed_at
+        time.sleep(1.0)  # round 3 in flight
+        for pid in _pids("flwr-serverapp"):
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: 3 in completed_rounds() and all(r.status != "running" for r in registry.runs()), "round 3 after the ServerApp kill")
+
+    assert completed_rounds() == [1, 2, 3]  # no round counted twice
+    statuses = [run.status for run in registry.runs()]
+    assert statuses.count("interrupted") == 2 and statuses[-1] == "finished", statuses
+    pinned = load_public(fed.registry_dir / "keys" / "signing.pub")
+    for v in registry.versions():
+        manifest = verify_manifest(v.manifest.encode(), v.signature, pinned)
+        verify_weights(registry.artifacts.path_for(v.sha256), manifest)
+    chain = [v for v in registry.versions() if v.kind == "fedavg"]
+    assert [v.server_round for v in chain] == [1, 2, 3] and chain[1].parent_id == chain[0].id and chain[2].parent_id == chain[1].id
+    print(f"\nkilled SuperLink -> next completed round: {recovery:.1f} s")
