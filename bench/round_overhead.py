@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.procs import ProcessSet, free_port, wait_for_port  # noqa: E402
 from server import launch  # noqa: E402
-from server.local import LocalFederation  # noqa: E402
+from server.local import LocalFederation, wait_for_run  # noqa: E402
 from server.registry.service import Registry  # noqa: E402
 
 
@@ -34,8 +34,7 @@ def fedforge_rounds(root: Path, factories: int, rounds: int, architecture: str) 
         fed.start()
         run_id = "run-" + fed.submit(fed.run_config(rounds, **{"local-epochs": 0, "architecture": architecture, "min-factories": factories, "secure-aggregation": False}))
         registry = Registry.at(fed.registry_dir)
-        while (run := registry.get_run(run_id)) is None or run.status == "running":
-            time.sleep(0.5)
+        wait_for_run(registry, run_id, procs=procs)
         return [r.seconds for r in registry.rounds(run_id)]
 
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.procs import ProcessSet  # noqa: E402
 from common.secagg.primitives import expand_mask  # noqa: E402
-from server.local import LocalFederation  # noqa: E402
+from server.local import LocalFederation, wait_for_run  # noqa: E402
 from server.registry.service import Registry  # noqa: E402
 
 
@@ -52,8 +52,7 @@ def round_seconds(secure: bool, rounds: int, local_epochs: int, factories: int) 
         fed.start()
         run_id = "run-" + fed.submit(fed.run_config(rounds, **{"local-epochs": local_epochs, "secure-aggregation": secure, "min-factories": factories}))
         registry = Registry.at(fed.registry_dir)
-        while (run := registry.get_run(run_id)) is None or run.status == "running":
-            time.sleep(0.5)
+        wait_for_run(registry, run_id, procs=procs)
         return [r.seconds for r in registry.rounds(run_id)]
 
 

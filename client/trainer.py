@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from client.config import AgentConfig
+from client.parallel import apply_activation_checkpointing
 from client.dp import check_dp_compatible, sample_rate, steps_per_epoch, train_private
 from client.privacy import PrivacyLedger, noise_for_budget
 from client.workers import Job, WorkerGroup
@@ -102,6 +103,8 @@ class FactoryTrainer:
     def train(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any], server_round: int, run_id: str = "") -> tuple[OrderedDict[str, np.ndarray], int, dict[str, float]]:
         cfg = train_config_from(config, server_round)
         model = self._model_with(weights, config, fresh=self.budget is not None)
+        if cfg.activation_checkpointing:
+            apply_activation_checkpointing(model)
         if self.budget is not None:
             model = check_dp_compatible(model, fix=self.cfg.dp_fix_model)
         before = evaluate(model, self.val_data) if len(self.val_data) else None

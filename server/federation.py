@@ -207,7 +207,8 @@ class Federation:
         if len(updates) < cfg.min_factories:
             raise RoundAborted(f"{len(updates)} good updates, {cfg.min_factories} required", failures, participants)
         privacy = {u.factory_id: {k: u.metrics[k] for k in PRIVACY_KEYS if k in u.metrics} for u in updates if "epsilon-spent" in u.metrics}
-        return fedavg(updates, like=weights), participants, failures, _weighted_metrics(updates), privacy
+        metrics = {**_weighted_metrics(updates), "bytes-received": float(sum(a.nbytes for u in updates for a in u.weights.values()))}
+        return fedavg(updates, like=weights), participants, failures, metrics, privacy
 
     def _secure_fedavg(self, server_round: int, weights: "OrderedDict[str, np.ndarray]") -> tuple[Any, list[str], dict[str, str], dict[str, float], dict[str, Any]]:
         """FedAvg through SecAgg+: the server learns sum(n * update) and sum(n), nothing per factory."""
@@ -245,11 +246,14 @@ class Federation:
                 cfg.round_timeout, failures,
             )
             metrics: dict[int, dict[str, float]] = {}
+            bytes_received = 0
             for node, reply in replies.items():
                 try:
                     factory_metrics = {k: float(v) for k, v in reply.content["metrics"].items()}
-                    secure.add_masked_input(slot_of[node], reply.content["arrays"]["masked"].numpy())
+                    masked = reply.content["arrays"]["masked"].numpy()
+                    secure.add_masked_input(slot_of[node], masked)
                     metrics[slot_of[node]] = factory_metrics
+                    bytes_received += masked.nbytes
                 except (KeyError, TypeError, ValueError) as exc:
                     failures[self._name(node)] = f"malformed masked input: {exc}"
             survivors, dropped = secure.unmask_request()
@@ -269,6 +273,7 @@ class Federation:
         common_keys = set.intersection(*(set(m) for m in metrics.values())) - set(PRIVACY_KEYS)
         factory_metrics = {f"factory-{k}": float(np.mean([m[k] for m in metrics.values()])) for k in sorted(common_keys)}
         factory_metrics["total-examples"] = total_weight
+        factory_metrics["bytes-received"] = float(bytes_received)
         return new_weights, participants, failures, factory_metrics, privacy
 
     # ---------------------------------------------------------------------------------------

@@ -22,6 +22,18 @@ from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
 from server import launch
 
 
+def wait_for_run(registry: Any, run_id: str, timeout: float = 600.0, procs: ProcessSet | None = None) -> Any:
+    """Block until the registry records the end of ``run_id``; raise if that takes longer or a process dies."""
+    deadline = time.monotonic() + timeout
+    while (run := registry.get_run(run_id)) is None or run.status == "running":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"run {run_id} did not finish within {timeout:.0f}s")
+        if procs is not None and (dead := procs.dead()):
+            raise RuntimeError(f"process {dead[0][0]} exited with {dead[0][1]} during run {run_id}")
+        time.sleep(0.5)
+    return run
+
+
 def fedforge_command() -> list[str]:
     exe = shutil.which("fedforge")
     return [exe] if exe else [sys.executable, "-m", "common.cli"]

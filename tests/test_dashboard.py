@@ -66,6 +66,8 @@ def test_api_shows_the_real_run(dashboard, registry_dir):
         factories = c.get("/api/v1/factories").json()
         assert [f["status"] for f in factories] == ["ok", "ok"]
         metrics = c.get("/metrics").text
+        received = float(next(line.split()[1] for line in metrics.splitlines() if line.startswith("fedforge_bytes_received_total")))
+        assert received > 0
         assert "fedforge_rounds_completed_total 2" in metrics and 'fedforge_privacy_epsilon_spent{factory="factory-0"}' in metrics
         assert c.get(f"/api/v1/versions/{newest['id']}/download").content == reg.artifacts.get(newest["sha256"])
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from common.procs import ProcessSet, free_port, stop_process
-from server.local import LocalFederation
+from server.local import LocalFederation, wait_for_run
 from server.registry.service import Registry
 
 pytestmark = pytest.mark.slow
@@ -40,10 +40,7 @@ def test_tls_federation_admits_only_registered_factories(tmp_path, no_leftover_p
         fed.start()
         run_id = "run-" + fed.submit(fed.run_config(1, **{"local-epochs": 1, "min-factories": 2}))
         registry = Registry.at(fed.registry_dir)
-        deadline = time.monotonic() + 300
-        while (run := registry.get_run(run_id)) is None or run.status == "running":
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
+        run = wait_for_run(registry, run_id, timeout=300, procs=procs)
         assert run.status == "finished" and registry.rounds(run_id)[0].participants == ["factory-0", "factory-1"]
 
         # an unregistered key, plain HTTP, and a certificate from another CA are all refused
@@ -122,11 +119,7 @@ def test_compose_commands_run_as_local_processes(tmp_path, no_leftover_processes
             procs.start(f"factory-{f}", cmd, env=svc_env)
         flwr_run_id = once("run").strip().splitlines()[-1]
         registry = Registry.at(tmp_path / "central" / "registry")
-        deadline = time.monotonic() + 400
-        while (run := registry.get_run(f"run-{flwr_run_id}")) is None or run.status == "running":
-            assert time.monotonic() < deadline, "the compose federation did not finish"
-            assert not procs.dead(), procs.dead()
-            time.sleep(0.5)
+        run = wait_for_run(registry, f"run-{flwr_run_id}", timeout=400, procs=procs)
     rounds = registry.rounds(f"run-{flwr_run_id}")
     assert run.status == "finished" and [r.status for r in rounds] == ["completed"]
     assert rounds[0].participants == ["factory-a", "factory-b", "factory-c"]

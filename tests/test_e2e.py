@@ -13,7 +13,7 @@ import time
 import pytest
 
 from common.procs import ProcessSet
-from server.local import LocalFederation
+from server.local import LocalFederation, wait_for_run
 from server.registry.service import Registry
 
 pytestmark = pytest.mark.slow
@@ -59,9 +59,7 @@ def test_killed_agent_is_left_out_and_the_next_round_proceeds(tmp_path, no_lefto
         time.sleep(1.0)  # round 2 is in flight
         os.kill(fed.process("factory-2-agent").pid, signal.SIGKILL)
 
-        while (run := registry.get_run(run_id)) is None or run.status == "running":
-            assert time.monotonic() < deadline, "run did not finish"
-            time.sleep(0.5)
+        run = wait_for_run(registry, run_id, timeout=max(1.0, deadline - time.monotonic()))
 
     rounds = registry.rounds(run_id)
     assert run.status == "finished", run.error

@@ -218,3 +218,30 @@ def test_export_torchscript_and_int8_with_accuracy_delta(registry_factory, tmp_p
     model.eval()
     torch.testing.assert_close(scripted(x), model(x))
     assert (tmp_path / "out" / f"{v.id}-int8.export.json").exists()
+
+
+def test_registry_over_tls_with_the_federation_certificates(registry_factory, tmp_path):
+    from server.certs import create_ca, create_server_cert
+
+    certs = tmp_path / "certs"
+    create_ca(certs)
+    cert, key = create_server_cert(certs, ["localhost", "127.0.0.1"])
+    registry = registry_factory()
+    v = registry.add_version(_new(size=1000))
+    address = f"127.0.0.1:{free_port()}"
+    server, stop = serve_registry(registry, address, grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())]))
+    try:
+        trusted = ModelClient(address, load_public(registry_factory.public_key), tmp_path / "edge",
+                              grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes()))
+        assert trusted.pull(v.id).manifest["sha256"] == v.sha256
+        other_ca, _ = create_ca(tmp_path / "other")
+        stranger = ModelClient(address, load_public(registry_factory.public_key), tmp_path / "edge2", grpc.ssl_channel_credentials(other_ca.read_bytes()))
+        with pytest.raises(grpc.RpcError) as err:
+            stranger.list()
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        plain = ModelClient(address, load_public(registry_factory.public_key), tmp_path / "edge3")
+        with pytest.raises(grpc.RpcError):
+            plain.list()
+    finally:
+        stop.set()
+        server.stop(grace=None).wait()

@@ -104,3 +104,19 @@ def test_worker_group_survives_many_rounds_without_leaking(ddp):
     assert ddp.pids() == pids  # the same processes: never re-spawned per round
     assert threads[1] == threads[0]
     assert rss[1] - rss[0] < 40 * 1024, f"RSS grew {rss[1] - rss[0]} KiB over 9 rounds"
+
+
+def test_bf16_autocast_and_activation_checkpointing_switches():
+    """Both switches train (finite loss, weights move); checkpointing leaves the forward pass unchanged."""
+    from client.parallel import apply_activation_checkpointing
+
+    data, _ = load_factory_data(CFG)
+    x = torch.from_numpy(data.images[:8])
+    model = build_model("cnn-small", 6, seed=4)
+    reference = model(x).detach()
+    apply_activation_checkpointing(model)
+    torch.testing.assert_close(model(x), reference)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = train(model, data, TrainConfig(epochs=1, batch_size=16, bf16=True, activation_checkpointing=True))
+    assert np.isfinite(result.loss) and any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert list(model.state_dict()) == list(before)  # checkpointing does not rename parameters

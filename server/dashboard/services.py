@@ -156,6 +156,8 @@ def prometheus(reg: Registry) -> str:
     metric("fedforge_round_duration_seconds", "gauge", "Wall time of the latest round.", [({}, last.seconds if last else 0.0)])
     metric("fedforge_round_participants", "gauge", "Factories in the latest round's aggregate.", [({}, len(last.participants) if last else 0)])
     metric("fedforge_factory_failures_total", "counter", "Factory failures across rounds.", [({}, sum(len(r.failures) for r in rounds))])
+    metric("fedforge_bytes_received_total", "counter", "Update bytes received from factories (masked vectors when secure).",
+           [({}, sum(float(r.metrics.get("bytes-received", 0.0)) for r in rounds))])
     versions = reg.versions()
     metric("fedforge_versions_created_total", "counter", "Model versions written to the registry.", [({}, len(versions))])
     metric("fedforge_model_bytes_total", "counter", "Bytes of model versions stored.", [({}, sum(v.size_bytes for v in versions))])
