@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -182,3 +183,42 @@ def test_central_site_crashes_resume_from_the_registry(tmp_path, no_leftover_pro
     chain = [v for v in registry.versions() if v.kind == "fedavg"]
     assert [v.server_round for v in chain] == [1, 2, 3] and chain[1].parent_id == chain[0].id and chain[2].parent_id == chain[1].id
     print(f"\nkilled SuperLink -> next completed round: {recovery:.1f} s")
+
+
+def test_registry_killed_mid_write_leaves_no_half_version(tmp_path):
+    """kill -9 a process while it writes a large version: nothing half-written becomes visible."""
+    import signal
+    import textwrap
+
+    from common.signing import load_public, verify_manifest, verify_weights
+
+    Registry.at(tmp_path, create_key=True)  # migrate and create the key first, as `fedforge server` does
+    script = textwrap.dedent(f"""
+        from collections import OrderedDict
+        import numpy as np
+        from server.registry.service import NewVersion, Registry
+        reg = Registry.at({str(tmp_path)!r})
+        reg.add_version(NewVersion(run_id="ok", server_round=0, parent_id=None, kind="initial", architecture="x",
+                                   weights=OrderedDict(w=np.ones(1000, np.float32)), metrics={{}}, participants=[]))
+        print("first", flush=True)
+        while True:
+            reg.add_version(NewVersion(run_id="big", server_round=1, parent_id=None, kind="fedavg", architecture="x",
+                                       weights=OrderedDict(w=np.random.default_rng().random(60_000_000, dtype=np.float32)),
+                                       metrics={{}}, participants=[]))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "first"
+    deadline = time.monotonic() + 60
+    while not list((tmp_path / "artifacts").rglob(".tmp-*")):  # the big file is being written
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+
+    registry = Registry.at(tmp_path)
+    pinned = load_public(tmp_path / "keys" / "signing.pub")
+    for v in registry.versions():  # every visible version is complete and verifies
+        verify_weights(registry.artifacts.path_for(v.sha256), verify_manifest(v.manifest.encode(), v.signature, pinned))
+    assert "ok" in {v.run_id for v in registry.versions()}
+    finals = [p for p in (tmp_path / "artifacts").rglob("*.npz") if not p.name.startswith(".tmp-")]
+    assert len(finals) == len({v.sha256 for v in registry.versions()})  # no orphan final file either
