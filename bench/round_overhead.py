@@ -38,7 +38,7 @@ def fedforge_rounds(root: Path, factories: int, rounds: int, architecture: str) 
         return [r.seconds for r in registry.rounds(run_id)]
 
 
-def plain_flower_rounds(root: Path, factories: int, rounds: int, architecture: str) -> list[float]:
+def plain_flower_rounds(root: Path, factories: int, rounds: int, architecture: str, app: str = "plain_flower", local_epochs: int = 0) -> list[float]:
     port = free_port()
     timings = root / "timings.json"
     with ProcessSet(root / "logs") as procs:
@@ -50,12 +50,13 @@ def plain_flower_rounds(root: Path, factories: int, rounds: int, architecture: s
         home = launch.flwr_home(root, f"127.0.0.1:{port}")
         import subprocess
 
-        cfg = f'num-server-rounds={rounds} num-factories={factories} architecture="{architecture}" timings-file="{timings}"'
-        out = subprocess.run([shutil.which("flwr"), "run", str(ROOT / "bench" / "plain_flower"), launch.CONNECTION, "--run-config", cfg, "--format", "json"],
+        cfg = (f'num-server-rounds={rounds} num-factories={factories} architecture="{architecture}" timings-file="{timings}" '
+               f'local-epochs={local_epochs}')
+        out = subprocess.run([shutil.which("flwr"), "run", str(ROOT / "bench" / app), launch.CONNECTION, "--run-config", cfg, "--format", "json"],
                              env=launch.flwr_env(home), capture_output=True, text=True, timeout=120)
         if out.returncode != 0:
             raise RuntimeError(out.stdout + out.stderr)
-        deadline = time.monotonic() + 60 * rounds + 120
+        deadline = time.monotonic() + 180 * rounds + 120
         while time.monotonic() < deadline:
             if timings.exists() and len(json.loads(timings.read_text() or "[]")) == rounds + 1:
                 break

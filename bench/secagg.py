@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common.procs import ProcessSet  # noqa: E402
 from common.secagg.primitives import expand_mask  # noqa: E402
@@ -62,6 +63,7 @@ def main() -> None:
     p.add_argument("--local-epochs", type=int, default=1)
     p.add_argument("--factories", type=int, default=3)
     p.add_argument("--skip-rounds", action="store_true", help="only the mask throughput")
+    p.add_argument("--flower-legacy", action="store_true", help="also time Flower's SecAggPlusWorkflow (bench/flower_secagg)")
     a = p.parse_args()
     rows = mask_throughput([80_662, 1_278_022, 10_000_000])
     for r in rows:
@@ -75,6 +77,15 @@ def main() -> None:
         out |= {"plain_round_seconds": plain, "secure_round_seconds": secure, "ratio": sm / pm}
         print(f"round wall time ({a.factories} factories, {a.local_epochs} local epoch(s)): plain {pm:.2f} s, secure {sm:.2f} s, "
               f"ratio secure/plain {sm / pm:.2f}")
+    if a.flower_legacy:
+        from round_overhead import plain_flower_rounds
+
+        with tempfile.TemporaryDirectory() as tmp:
+            legacy = plain_flower_rounds(Path(tmp), a.factories, a.rounds, "cnn-small", app="flower_secagg", local_epochs=a.local_epochs)
+        lm = statistics.median(legacy[1:] or legacy)
+        out |= {"flower_secaggplus_round_seconds": legacy}
+        print(f"Flower SecAggPlusWorkflow round: {lm:.2f} s" + (f"; FedForge secure / Flower SecAgg+ {out['ratio'] * pm / lm:.2f}"
+                                                                 if "ratio" in out else ""))
     print(json.dumps(out))
 
 
