@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -191,3 +192,34 @@ def test_browser_shows_real_numbers_and_approves_with_the_token(registry_dir):
     finally:
         driver.quit()
         server.should_exit = True
+
+
+def test_stop_run_from_the_dashboard(tmp_path, no_leftover_processes):
+    """POST /api/v1/runs/{id}/stop (admin token) stops a live Flower run through the SuperLink."""
+    from common.procs import ProcessSet
+    from server.local import LocalFederation, wait_for_run
+
+    with ProcessSet(tmp_path / "logs") as procs:
+        fed = LocalFederation(tmp_path, procs, num_factories=2, train_size=200, admin_token=ADMIN)
+        fed.start()
+        run_id = "run-" + fed.submit(fed.run_config(20, **{"local-epochs": 1, "min-factories": 2}))
+        registry = Registry.at(fed.registry_dir)
+        deadline = time.monotonic() + 120
+        while registry.get_run(run_id) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.3)
+        with httpx.Client(base_url=fed.dashboard_url, timeout=60) as c:
+            assert c.post(f"/api/v1/runs/{run_id}/stop", json={"actor": "ops"}).status_code == 401
+            r = c.post(f"/api/v1/runs/{run_id}/stop", json={"actor": "ops"}, headers={"Authorization": f"Bearer {ADMIN}"})
+            assert r.status_code == 200 and r.json()["status"] == "stopped", r.text
+            again = c.post(f"/api/v1/runs/{run_id}/stop", json={"actor": "ops"}, headers={"Authorization": f"Bearer {ADMIN}"})
+            assert again.status_code == 409
+        run = wait_for_run(registry, run_id, timeout=60)
+        assert run.status == "stopped" and "ops" in run.error
+        from server import launch
+
+        deadline = time.monotonic() + 60
+        while not launch.run_status(fed.flwr_home(), run_id.removeprefix("run-")).startswith("finished"):
+            assert time.monotonic() < deadline, "Flower did not stop the run"
+            time.sleep(1)
+        assert len(registry.rounds(run_id)) < 20

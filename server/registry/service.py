@@ -108,9 +108,10 @@ class Registry:
         return run
 
     def finish_run(self, run_id: str, status: str, error: str = "") -> None:
+        """Record how a run ended; the first ending wins (a run stopped by an operator stays stopped)."""
         with self.session.begin() as s:
             run = s.get(Run, run_id)
-            if run is not None:
+            if run is not None and run.status == "running":
                 run.status, run.error, run.finished_at = status, error[:2000], utcnow()
 
     def record_round(self, run_id: str, server_round: int, **fields: Any) -> None:
