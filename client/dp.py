@@ -92,27 +92,44 @@ def train_private(model: nn.Module, data: ImageDataset, cfg: TrainConfig, noise_
     private_model, private_opt, criterion, private_loader = make_private(
         model, make_optimizer(model, cfg), loader, noise_multiplier, max_grad_norm, grad_sample_mode, poisson_sampling=True
     )
+    return run_dp_epochs(private_model, private_opt, criterion, private_loader, cfg, examples=len(data), step_on_empty=False)
+
+
+def run_dp_epochs(private_model: nn.Module, private_opt: Any, criterion: Any, private_loader: DataLoader, cfg: TrainConfig, examples: int,
+                  step_on_empty: bool, on_epoch: Any = None) -> TrainResult:
+    """The DP-SGD loop shared by the single-process and the DDP/FSDP paths.
+
+    ``step_on_empty``: an empty Poisson batch still runs forward/backward/step, so that ranks of a
+    worker group stay in lockstep (a single process just skips it). ``on_epoch(epoch)`` runs before
+    each epoch (e.g. the distributed sampler's ``set_epoch``).
+    """
     total = max(1, len(private_loader) * cfg.epochs)
     schedule = torch.optim.lr_scheduler.LambdaLR(private_opt.original_optimizer, lambda s: warmup_cosine(s, total, cfg.warmup_fraction))
     private_model.train()
+    device = next(iter(private_model.parameters())).device
     loss_sum, correct, seen, steps = 0.0, 0, 0, 0
-    for _ in range(cfg.epochs):
+    for epoch in range(cfg.epochs):
+        if on_epoch is not None:
+            on_epoch(epoch)
         for x, y in private_loader:
-            if len(y) == 0:  # an empty Poisson batch: nothing to learn from, still a step of the mechanism
+            if len(y) == 0 and not step_on_empty:  # nothing to learn from, still a step of the mechanism
                 private_opt.zero_grad(set_to_none=True)
                 continue
-            logits = private_model(x)
-            loss = criterion(logits, y)
+            x, y = x.to(device), y.to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+                logits = private_model(x)
+            loss = criterion(logits, y) if len(y) else logits.sum() * 0.0
             private_opt.zero_grad(set_to_none=True)
             loss.backward()
             private_opt.step()
             schedule.step()
             steps += 1
-            loss_sum += float(loss.detach()) * len(y)
-            correct += int((logits.argmax(1) == y).sum())
-            seen += len(y)
+            if len(y):
+                loss_sum += float(loss.detach()) * len(y)
+                correct += int((logits.argmax(1) == y).sum())
+                seen += len(y)
     if hasattr(private_model, "_close"):
         private_model._close()  # remove Opacus hooks: the plain module's weights are what leave the agent
     if not math.isfinite(loss_sum):
         raise FloatingPointError("DP training diverged (non-finite loss); lower the learning rate")
-    return TrainResult(loss=loss_sum / max(1, seen), accuracy=correct / max(1, seen), steps=steps, examples=len(data))
+    return TrainResult(loss=loss_sum / max(1, seen), accuracy=correct / max(1, seen), steps=steps, examples=examples)

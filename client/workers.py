@@ -174,8 +174,8 @@ def train_private_distributed(model: Any, data: Any, cfg: Any, dp: dict[str, Any
     from torch.utils.data import DataLoader, TensorDataset
     from torch.utils.data._utils.collate import default_collate
 
-    from client.dp import _urandom_generator, make_private
-    from common.training import TrainResult, make_optimizer, warmup_cosine
+    from client.dp import _urandom_generator, make_private, run_dp_epochs
+    from common.training import make_optimizer
 
     class AlwaysYieldSampler(DistributedUniformWithReplacementSampler):
         """Opacus' sampler skips empty batches, so ranks fall out of step; this one never skips."""
@@ -196,27 +196,5 @@ def train_private_distributed(model: Any, data: Any, cfg: Any, dp: dict[str, Any
         model, make_optimizer(model, cfg), loader, dp["noise_multiplier"], dp["max_grad_norm"], dp.get("grad_sample_mode", "hooks"),
         poisson_sampling=False,  # our loader already samples (Poisson, never skipping a batch)
     )
-    total = max(1, len(private_loader) * cfg.epochs)
-    schedule = torch.optim.lr_scheduler.LambdaLR(private_opt.original_optimizer, lambda s: warmup_cosine(s, total, cfg.warmup_fraction))
-    private_model.train()
-    device = next(iter(private_model.parameters())).device
-    loss_sum, correct, seen, steps = 0.0, 0, 0, 0
-    for epoch in range(cfg.epochs):
-        sampler.set_epoch(epoch)
-        for x, y in private_loader:
-            x, y = x.to(device), y.to(device)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-                logits = private_model(x)
-            loss = criterion(logits, y) if len(y) else logits.sum() * 0.0
-            private_opt.zero_grad(set_to_none=True)
-            loss.backward()
-            private_opt.step()
-            schedule.step()
-            steps += 1
-            if len(y):
-                loss_sum += float(loss.detach()) * len(y)
-                correct += int((logits.argmax(1) == y).sum())
-                seen += len(y)
-    if hasattr(private_model, "_close"):
-        private_model._close()
-    return TrainResult(loss=loss_sum / max(1, seen), accuracy=correct / max(1, seen), steps=steps, examples=len(data))
+    return run_dp_epochs(private_model, private_opt, criterion, private_loader, cfg, examples=len(data), step_on_empty=True,
+                         on_epoch=sampler.set_epoch)
