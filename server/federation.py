@@ -16,10 +16,12 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
+from flwr.supercore.inflatable.inflatable_utils import ObjectPullError, ObjectPushError, ObjectUnavailableError
 
 from common.data import datasets
 from common.data.datasets import ImageDataset
@@ -107,6 +109,17 @@ class RoundAborted(RuntimeError):
         self.failures, self.participants = failures, participants
 
 
+# Errors that mean the ServerApp lost its SuperLink (killed, restarted, or it ended the run) or was
+# told to stop: the federation is interrupted, not broken, and the supervisor resumes it.
+LINK_ERRORS = (httpx.HTTPError, ConnectionError, ObjectPullError, ObjectPushError, ObjectUnavailableError,
+               KeyboardInterrupt, SystemExit)
+
+
+def ending_for(exc: BaseException) -> str:
+    """How a run that raised ``exc`` ended: ``interrupted`` (resumable) or ``failed`` (a FedForge error)."""
+    return "interrupted" if isinstance(exc, LINK_ERRORS) else "failed"
+
+
 class Federation:
     def __init__(self, grid: Grid, cfg: FederationConfig, flwr_run_id: str = "") -> None:
         set_torch_threads(cfg.torch_threads)
@@ -138,8 +151,9 @@ class Federation:
             for server_round in range(version.server_round + 1, cfg.num_server_rounds + 1):
                 weights, version = self._round(server_round, weights, version)
         except BaseException as exc:
-            log.exception("run %s failed", self.run_id)
-            self.registry.finish_run(self.run_id, "failed", f"{type(exc).__name__}: {exc}")
+            status = ending_for(exc)
+            log.exception("run %s %s", self.run_id, status)
+            self.registry.finish_run(self.run_id, status, f"{type(exc).__name__}: {exc}")
             raise
         self.registry.finish_run(self.run_id, "finished")
         log.info("run %s finished", self.run_id)

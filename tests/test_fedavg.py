@@ -61,3 +61,16 @@ def test_tensor_roundtrip_and_corrupt_bytes():
     t.dtype = "object"
     with pytest.raises(UpdateError, match="dtype"):
         from_tensors([t])
+
+
+def test_a_lost_superlink_interrupts_the_run_and_a_fedforge_error_fails_it():
+    """The supervisor resumes interrupted runs; a run is 'failed' only for FedForge's own errors."""
+    import httpx
+
+    from server.federation import ending_for
+
+    request = httpx.Request("POST", "http://127.0.0.1:1/v1/runtime/pull-messages")
+    assert ending_for(httpx.ConnectError("connection refused", request=request)) == "interrupted"
+    assert ending_for(httpx.HTTPStatusError("403", request=request, response=httpx.Response(403, request=request))) == "interrupted"
+    assert ending_for(KeyboardInterrupt()) == "interrupted"
+    assert ending_for(ValueError("cannot resume from 'v9'")) == "failed"
