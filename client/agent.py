@@ -11,9 +11,11 @@ import os
 import threading
 import time
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 from google.protobuf import json_format
 
 from client.config import AgentConfig
@@ -23,9 +25,10 @@ from client.trainer import FactoryTrainer
 from client.secagg import SecAggProtocolError, SecAggSessions
 from client.workers import WorkerGroupError
 from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
-from common.secagg.update import encode_update
+from common.distill import ProxyCache, ProxySet, ProxySetError
+from common.secagg.layout import SecureLayout
 from common.secagg.wire import from_values, to_values
-from common.tensors import UpdateError, from_tensors, to_tensor, to_tensors
+from common.tensors import UpdateError, from_tensor, from_tensors, to_tensor, to_tensors
 
 log = logging.getLogger(__name__)
 
@@ -43,25 +46,64 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
     def __init__(self, trainer: FactoryTrainer) -> None:
         self.trainer = trainer
         self.sessions = SecAggSessions()
+        self.proxies = ProxyCache(Path(trainer.cfg.state_dir) / "proxy")
         self._lock = threading.Lock()
 
     def Train(self, request: edge_pb2.TrainRequest, context: grpc.ServicerContext) -> edge_pb2.TrainReply:
         with self._lock, _status_on_error(context, "train"):
+            config = _config(request.config)
+            self._check_architecture(config)
             secure = from_values(request.secagg) if request.secagg else None
             session = self.sessions.get(secure["session"].encode()) if secure else None  # before training: fail fast
+            proxy = self._proxy_for(config)  # likewise: a distillation round needs the proxy set already here
+            send_weights = bool(config.get("send-weights", True))
             global_weights = from_tensors(request.weights)
-            weights, n, metrics = self.trainer.train(global_weights, _config(request.config), request.server_round, request.run_id)
+            weights, n, metrics = self.trainer.train(global_weights, config, request.server_round, request.run_id)
             log.info("round %d: trained on %d examples, loss %.4f%s", request.server_round, n, metrics["train-loss"], " (secure)" if secure else "")
+            predictions = self.trainer.predict(weights, config, proxy, float(config.get("temperature", 2.0))) if proxy is not None else None
             factory_id = self.trainer.cfg.factory_id
             if session is None:
-                return edge_pb2.TrainReply(factory_id=factory_id, weights=to_tensors(weights), num_examples=n, metrics=metrics)
-            # Secure round: only the masked, clipped, fixed-point update leaves the agent.
+                reply = edge_pb2.TrainReply(factory_id=factory_id, num_examples=n, metrics=metrics)
+                if send_weights:
+                    reply.weights.extend(to_tensors(weights))
+                if predictions is not None:
+                    reply.predictions.CopyFrom(to_tensor("predictions", predictions[0].astype(np.float32)))
+                    reply.class_counts.CopyFrom(to_tensor("class-counts", predictions[1]))
+                return reply
+            # Secure round: only the masked, clipped, fixed-point vector leaves the agent.
             session.receive_boxes(dict(zip(secure["from"], secure["boxes"])))
-            encoded, norm = encode_update(global_weights, weights, n, secure["clip"], secure["scale"], int(secure["max-weight"]))
+            layout = SecureLayout.of(dict(zip([g.decode() for g in secure["groups"]], secure["group-sizes"])),
+                                     int(secure.get("predictions", 0)), int(secure.get("classes", 0)))
+            encoded, norm = layout.encode(
+                str(config.get("architecture")) if send_weights else None, global_weights, weights, n, predictions,
+                secure["clip"], secure["scale"], int(secure["max-weight"]),
+            )
             masked = session.mask(encoded, list(secure["alive"]))
             metrics["update-norm"] = norm
             return edge_pb2.TrainReply(factory_id=factory_id, masked=to_tensor("masked", masked), metrics=metrics)
         return edge_pb2.TrainReply()  # unreachable: context.abort raised
+
+    def _check_architecture(self, config: dict[str, Any]) -> None:
+        declared = self.trainer.cfg.architecture
+        if declared and str(config.get("architecture", "")) != declared:
+            raise UpdateError(f"factory {self.trainer.cfg.factory_id} trains {declared}, the server sent a {config.get('architecture')!r} model")
+
+    def _proxy_for(self, config: dict[str, Any]) -> ProxySet | None:
+        sha256 = str(config.get("proxy-sha256", ""))
+        if not sha256:
+            return None
+        proxy = self.proxies.get(sha256)
+        if proxy is None:
+            raise UpdateError(f"proxy set {sha256[:12]}... is not on factory {self.trainer.cfg.factory_id}; the server must send it first")
+        return proxy
+
+    def Proxy(self, request: edge_pb2.ProxyRequest, context: grpc.ServicerContext) -> edge_pb2.ProxyReply:
+        with _status_on_error(context, "proxy"):
+            if request.HasField("images"):
+                self.proxies.put(request.sha256, from_tensor(request.images))
+                log.info("stored proxy set %s... (%d images)", request.sha256[:12], request.images.shape[0])
+            return edge_pb2.ProxyReply(factory_id=self.trainer.cfg.factory_id, have=self.proxies.get(request.sha256) is not None)
+        return edge_pb2.ProxyReply()
 
     def SecAgg(self, request: edge_pb2.SecAggRequest, context: grpc.ServicerContext) -> edge_pb2.SecAggReply:
         with self._lock, _status_on_error(context, f"secagg {request.stage}"):
@@ -94,7 +136,7 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
         return edge_pb2.HealthReply(
             factory_id=t.cfg.factory_id, status="serving", num_examples=len(t.train_data), data_source=t.cfg.data,
             uptime_seconds=time.time() - t.started, pid=os.getpid(), skipped_files=[p for p, _ in t.report.skipped],
-            privacy=t.privacy_status(),
+            privacy=t.privacy_status(), architecture=t.cfg.architecture,
         )
 
 
@@ -116,7 +158,7 @@ class _status_on_error:
         if isinstance(exc, (BudgetExhausted, DPConfigError)):
             log.warning("%s refused: %s", self.what, exc)
             self.context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        if isinstance(exc, (UpdateError, SecAggProtocolError, KeyError)):
+        if isinstance(exc, (UpdateError, SecAggProtocolError, ProxySetError, KeyError)):
             log.warning("%s refused: %s", self.what, exc)
             self.context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         log.exception("%s failed", self.what)
@@ -147,8 +189,6 @@ def serve(cfg: AgentConfig) -> Agent:
     edge_pb2_grpc.add_EdgeAgentServicer_to_server(EdgeAgentServicer(trainer), server)
     follower = None
     if cfg.registry:
-        from pathlib import Path
-
         from client.inspection import ApprovalFollower, InspectionServicer, ServingModel
         from client.models import ModelClient
         from common.signing import load_public
@@ -157,7 +197,7 @@ def serve(cfg: AgentConfig) -> Agent:
         edge_pb2_grpc.add_InspectionServicer_to_server(InspectionServicer(serving), server)
         credentials = grpc.ssl_channel_credentials(Path(cfg.registry_ca).read_bytes()) if cfg.registry_ca else None
         client = ModelClient(cfg.registry, load_public(cfg.registry_public_key), Path(cfg.state_dir) / "models", credentials)
-        follower = ApprovalFollower(client, serving)
+        follower = ApprovalFollower(client, serving, cfg.architecture)  # a factory serves its own architecture's line
     if server.add_insecure_port(cfg.listen) == 0 and not cfg.listen.startswith("unix:"):
         raise RuntimeError(f"edge agent could not listen on {cfg.listen}")
     server.start()

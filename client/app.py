@@ -18,7 +18,7 @@ from google.protobuf import struct_pb2
 
 from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
 from common.secagg.wire import from_values, to_values
-from common.tensors import from_tensor, from_tensors, to_tensors
+from common.tensors import from_tensor, from_tensors, to_tensor, to_tensors
 
 app = ClientApp()
 
@@ -94,7 +94,29 @@ def train(msg: Message, context: Context) -> Message:
         arrays = ArrayRecord(OrderedDict((name, Array(arr)) for name, arr in from_tensors(reply.weights).items()))
         metrics = MetricRecord({**dict(reply.metrics), "num-examples": int(reply.num_examples)})
     content = RecordDict({"arrays": arrays, "metrics": metrics, "info": ConfigRecord({"factory-id": reply.factory_id})})
+    if reply.HasField("predictions"):
+        content["predictions"] = ArrayRecord(OrderedDict(
+            probabilities=Array(from_tensor(reply.predictions)), **{"class-counts": Array(from_tensor(reply.class_counts))}))
     return Message(content=content, reply_to=msg)
+
+
+@app.query("describe")
+def describe(msg: Message, context: Context) -> Message:
+    """Who this factory is and which model it trains (the server groups factories by architecture)."""
+    reply = _call(context, "Health", edge_pb2.HealthRequest())
+    info = ConfigRecord({"factory-id": reply.factory_id, "architecture": reply.architecture})
+    return Message(content=RecordDict({"info": info}), reply_to=msg)
+
+
+@app.query("proxy")
+def proxy(msg: Message, context: Context) -> Message:
+    """Receive the distillation proxy set by content hash: the images come only if the agent lacks them."""
+    request = edge_pb2.ProxyRequest(sha256=str(msg.content["proxy"]["sha256"]))
+    if "images" in msg.content:
+        request.images.CopyFrom(to_tensor("images", msg.content["images"]["images"].numpy()))
+    reply = _call(context, "Proxy", request)
+    info = ConfigRecord({"factory-id": reply.factory_id})
+    return Message(content=RecordDict({"info": info, "proxy": ConfigRecord({"have": bool(reply.have)})}), reply_to=msg)
 
 
 @app.evaluate()

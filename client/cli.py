@@ -27,6 +27,9 @@ def agent_options(f):  # type: ignore[no-untyped-def]
         click.option("--data-seed", default=0, type=int, help="Synthetic data: seed."),
         click.option("--alpha", default=1.0, type=float, help="Synthetic data: Dirichlet label skew (smaller = more skewed)."),
         click.option("--train-size", default=600, type=int, help="Synthetic data: images in this factory."),
+        click.option("--architecture", default="", help="The model this factory trains (e.g. cnn-small on a weak box, cnn-medium on a GPU node); "
+                     "factories with different architectures are averaged within their group and share knowledge by distillation. "
+                     "Empty: whatever the server's run config says."),
         click.option("--torch-threads", default=1, type=int, help="torch intra-op threads for training."),
         click.option("--parallelism", default="none", type=click.Choice(["none", "ddp", "fsdp"]), help="Local training across several workers."),
         click.option("--local-world-size", default=1, type=click.IntRange(1), help="Ranks of the DDP/FSDP worker group (GPUs or CPU workers)."),
@@ -51,7 +54,7 @@ def _agent_config(kw: dict) -> AgentConfig:
         return AgentConfig(
             factory_id=kw["factory_id"], listen=kw["agent_listen"], data=kw["data"], factory_index=kw["factory_index"],
             num_factories=kw["num_factories"], data_seed=kw["data_seed"], alpha=kw["alpha"], train_size=kw["train_size"],
-            torch_threads=kw["torch_threads"], registry=kw["registry"], registry_public_key=kw["registry_public_key"], parallelism=kw["parallelism"], local_world_size=kw["local_world_size"], state_dir=kw["state_dir"], dp=kw["dp"], dp_epsilon=kw["dp_epsilon"],
+            torch_threads=kw["torch_threads"], architecture=kw["architecture"], registry=kw["registry"], registry_public_key=kw["registry_public_key"], parallelism=kw["parallelism"], local_world_size=kw["local_world_size"], state_dir=kw["state_dir"], dp=kw["dp"], dp_epsilon=kw["dp_epsilon"],
             dp_delta=kw["dp_delta"], dp_max_grad_norm=kw["dp_max_grad_norm"], dp_planned_rounds=kw["dp_planned_rounds"],
             dp_grad_sample_mode=kw["dp_grad_sample_mode"], dp_fix_model=kw["dp_fix_model"],
         ).validated()

@@ -18,6 +18,7 @@ class AgentConfig:
     image_size: int = 64
     val_fraction: float = 0.1
     torch_threads: int = 1
+    architecture: str = ""  # the model this factory trains; empty: the server's run config decides
     parallelism: str = "none"  # none | ddp | fsdp
     local_world_size: int = 1  # ranks of the DDP/FSDP worker group
     state_dir: str = "fedforge-factory"  # durable factory state (the privacy ledger, pulled models)
@@ -53,5 +54,10 @@ class AgentConfig:
             raise ValueError(f"--local-world-size must be >= 1, got {self.local_world_size}")
         if bool(self.registry) != bool(self.registry_public_key):
             raise ValueError("--registry and --registry-public-key go together: models are only loaded after verification")
+        if self.architecture:
+            from common.models import ARCHITECTURES
+
+            if self.architecture not in ARCHITECTURES:
+                raise ValueError(f"--architecture {self.architecture!r} is not one of {sorted(ARCHITECTURES)}")
         if not 0.0 <= self.val_fraction < 0.9:
             raise ValueError(f"val_fraction must be in [0, 0.9), got {self.val_fraction}")

@@ -24,6 +24,7 @@ from client.workers import Job, WorkerGroup
 from common.data import datasets
 from common.data.datasets import ImageDataset
 from common.data.folder import FolderReport, load_image_folder
+from common.distill import ProxySet, balanced_predictions, predict_proxy
 from common.models import build_model
 from common.tensors import UpdateError, check_like
 from common.training import TrainConfig, TrainResult, evaluate, set_torch_threads, train
@@ -156,6 +157,17 @@ class FactoryTrainer:
             return {}
         spent = self.ledger.spent(self.budget.delta)
         return {"epsilon-spent": spent, "epsilon-remaining": max(0.0, self.budget.epsilon_max - spent), "epsilon-max": self.budget.epsilon_max}
+
+    def predict(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any], proxy: ProxySet,
+                temperature: float) -> tuple[np.ndarray, np.ndarray]:
+        """Balanced predictions on the proxy set with ``weights`` (the model it just trained), and its class counts."""
+        if not temperature > 0:
+            raise UpdateError(f"distillation temperature must be > 0, got {temperature}")
+        probabilities = predict_proxy(self._model_with(weights, config), proxy, temperature)
+        if not np.isfinite(probabilities).all():  # a diverged local model: never send it into the secure sum
+            raise UpdateError(f"factory {self.cfg.factory_id}: predictions on the proxy set are not finite")
+        counts = np.bincount(self.train_data.labels, minlength=len(self.train_data.classes)).astype(np.float64)
+        return balanced_predictions(probabilities, counts), counts
 
     def evaluate(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any]) -> tuple[int, dict[str, float]]:
         model = self._model_with(weights, config)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +29,17 @@ def set_torch_threads(threads: int | None = None) -> int:
     n = int(threads if threads is not None else os.environ.get("FEDFORGE_TORCH_THREADS", "1"))
     torch.set_num_threads(max(1, n))
     return torch.get_num_threads()
+
+
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """Use ``threads`` intra-op threads for a block (e.g. while everything else is idle), then restore."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, int(threads)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from rich.table import Table
 
 from common.procs import ProcessSet
 from server import launch
+from server.cli import parse_overrides
 from server.local import LocalFederation
 from server.registry.service import Registry
 
@@ -49,32 +50,47 @@ console = Console(stderr=True)
 @click.option("--admin-token", default=None, envvar="FEDFORGE_ADMIN_TOKEN", help="Dashboard admin token (default: a random one, printed).")
 @click.option("--parallelism", default="none", type=click.Choice(["none", "ddp", "fsdp"]), help="Local training in a DDP/FSDP worker group.")
 @click.option("--local-world-size", default=1, type=click.IntRange(1), help="Ranks per factory with --parallelism ddp|fsdp.")
+@click.option("--distill", default="off", type=click.Choice(["off", "after", "only"]), is_flag=False, flag_value="after",
+              help="Ensemble distillation on a proxy set: after FedAvg every round (--distill, = after), or only distillation "
+                   "(factories send predictions, never weights).")
+@click.option("--architectures", default="", help="Comma-separated architecture per factory, cycled (e.g. cnn-small,cnn-medium): "
+              "each architecture is its own group and line of versions; distillation transfers across groups.")
+@click.option("--set", "overrides", multiple=True, help="Any other run-config key, e.g. --set distill-epochs=10 (repeatable).")
 def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str, json_path: str | None, architecture: str,
          train_size: int, alpha: float, min_factories: int | None, round_timeout: float, lr: float, secure: bool, dp: bool, epsilon: float,
-         parallelism: str, local_world_size: int, dashboard_port: int, admin_token: str | None) -> None:
+         parallelism: str, local_world_size: int, dashboard_port: int, admin_token: str | None, distill: str, architectures: str,
+         overrides: tuple[str, ...]) -> None:
     """Run a local demo federation over real Flower processes on 127.0.0.1."""
+    archs = [a.strip() for a in architectures.split(",") if a.strip()]
+    from common.models import ARCHITECTURES
+
+    if unknown := sorted(set(archs + [architecture]) - set(ARCHITECTURES)):
+        raise click.BadParameter(f"unknown architecture(s) {unknown}; choose from {sorted(ARCHITECTURES)}", param_hint="--architectures")
     t_start = time.perf_counter()
     root = Path(workdir).resolve()
     root.mkdir(parents=True, exist_ok=True)
     run_config: dict[str, Any] = {
         "round-timeout": round_timeout, "architecture": architecture, "local-epochs": local_epochs, "lr": lr, "secure-aggregation": secure,
+        "distill": distill,
         **({"min-factories": min_factories} if min_factories else {}),
+        **parse_overrides(overrides),
     }
     with ProcessSet(root / "logs") as procs:
         flags = ["--dp", "--dp-epsilon", str(epsilon), "--dp-planned-rounds", str(rounds)] if dp else []
         flags += ["--parallelism", parallelism, "--local-world-size", str(local_world_size)]
         admin_token = admin_token or secrets.token_urlsafe(16)
         fed = LocalFederation(root, procs, num_factories=factories, seed=seed, alpha=alpha, train_size=train_size, factory_flags=flags,
-                              dashboard_port=dashboard_port, admin_token=admin_token)
+                              dashboard_port=dashboard_port, admin_token=admin_token, architectures=archs)
         try:
-            console.print(f"[bold]FedForge demo[/]: {factories} factories, {rounds} rounds, workdir {root}")
+            console.print(f"[bold]FedForge demo[/]: {factories} factories, {rounds} rounds, distillation {distill}, workdir {root}")
             fed.start_central()
             console.print(f"  dashboard: [bold]{fed.dashboard_url}[/]  (admin token for approvals: {admin_token})")
             for i in range(factories):
                 fed.start_factory(i)
             for f in fed.factories:
                 health = fed.wait_for_agent(f.agent_address)
-                console.print(f"  {f.factory_id}: agent pid {health.pid} serving {health.num_examples} images on {f.agent_address}")
+                console.print(f"  {f.factory_id}: agent pid {health.pid} serving {health.num_examples} images on {f.agent_address}"
+                              f" ({health.architecture or architecture})")
             flwr_run_id = fed.submit(fed.run_config(rounds, **run_config))
             console.print(f"  submitted Flower run {flwr_run_id}; logs in {root / 'logs'}")
             summary = follow_run(Registry.at(fed.registry_dir), f"run-{flwr_run_id}", rounds, fed.flwr_home(), flwr_run_id, procs)
@@ -130,9 +146,15 @@ def follow_run(registry: Registry, run_id: str, rounds: int, home: Path, flwr_ru
         ],
         "initial_accuracy": versions[0].metrics.get("accuracy") if versions else None,
         "final_accuracy": completed[-1].accuracy if completed else None,
-        "versions": [{"id": v.id, "round": v.server_round, "kind": v.kind, "parent": v.parent_id, "sha256": v.sha256, "privacy": v.privacy,
-                      "secure_aggregation": v.secure_aggregation}
+        "versions": [{"id": v.id, "round": v.server_round, "kind": v.kind, "architecture": v.architecture, "parent": v.parent_id,
+                      "sha256": v.sha256, "privacy": v.privacy, "secure_aggregation": v.secure_aggregation}
                      for v in versions],
+        "architectures": {
+            arch: {"initial_accuracy": line[0].metrics.get("accuracy"), "final_accuracy": line[-1].metrics.get("accuracy"),
+                   "versions": len(line), "distilled": sum(v.kind == "distilled" for v in line)}
+            for arch in sorted({v.architecture for v in versions})
+            for line in [[v for v in versions if v.architecture == arch]]
+        },
         "registry": str(registry.artifacts.root.parent),
     }
 
@@ -148,6 +170,10 @@ def print_summary(summary: dict[str, Any]) -> None:
             ", ".join(sorted(r["failures"])) or "-", f"{r['seconds']:.2f}",
         )
     console.print(table)
+    if len(summary.get("architectures", {})) > 1 or any(a["distilled"] for a in summary.get("architectures", {}).values()):
+        for arch, a in summary["architectures"].items():
+            console.print(f"  {arch}: accuracy {a['initial_accuracy']:.4f} -> {a['final_accuracy']:.4f} over {a['versions']} versions "
+                          f"({a['distilled']} distilled)")
     console.print(f"final accuracy {summary['final_accuracy']}, {len(summary['versions'])} versions in {summary['registry']}, "
                   f"wall time {summary['wall_seconds']:.1f}s")
     if summary["error"]:

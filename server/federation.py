@@ -1,14 +1,19 @@
-"""The FedForge round loop on Flower's Message API: sample, train, validate, average, evaluate, record.
+"""The FedForge round loop on Flower's Message API: sample, train, validate, average, distil, record.
 
-Reads top to bottom as one round does. Factories that fail, time out or send a malformed update
-are logged by factory id and left out; a round with fewer than ``min_factories`` good updates is
-aborted and the global model stays as it was.
+Reads top to bottom as one round does. Factories are grouped by the architecture they train; each
+group's global model is its own line of versions, averaged within the group (FedAvg, through the
+secure sum when it is on). In distillation rounds every factory also predicts on the proxy set and
+the server distils the ensemble (it learns only the sum of the predictions) into each group's model,
+keeping the result only if it does not validate worse. Factories that fail, time out or send a
+malformed update are logged by factory id and left out; a round with fewer than ``min_factories``
+good factories is aborted and the global models stay as they were.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 import uuid
 from collections import OrderedDict
@@ -26,18 +31,22 @@ from flwr.supercore.inflatable.inflatable_utils import ObjectPullError, ObjectPu
 from common.data import datasets
 from common.data.datasets import ImageDataset
 from common.data.folder import load_image_folder
+from common.distill import DistillConfig, ProxySet, check_predictions, ensemble_of
 from common.models import build_model
 from common.secagg.primitives import session_id
-from common.secagg.update import decode_sum
+from common.secagg.layout import SecureLayout, apply_group_sum
 from common.tensors import UpdateError, check_like
-from common.training import evaluate, set_torch_threads
+from common.training import evaluate, set_torch_threads, torch_threads
 from server.aggregate import FactoryUpdate, fedavg, validate_update
+from server.distillation import MODES, distil_into, load_proxy, load_validation
+from server.groups import Line, RoundResult
 from server.messaging import push_and_collect
 from server.registry.service import NewVersion, Registry
 from server.secure_sum import SecAggAborted, SecureSum
 
 log = logging.getLogger("fedforge.server")
 
+NUM_CLASSES = 6  # the inspection task's classes (common.data.synth.CLASSES)
 PRIVACY_KEYS = ("epsilon-spent", "epsilon-remaining", "epsilon-max", "delta", "noise-multiplier")
 
 
@@ -50,7 +59,7 @@ class FederationConfig:
     expected_factories: int = 0  # wait for this many factories before round 1 (0: min_factories)
     wait_for_factories: float = 120.0
     round_timeout: float = 300.0
-    architecture: str = "cnn-small"
+    architecture: str = "cnn-small"  # for factories that do not declare one
     local_epochs: int = 2
     batch_size: int = 16
     lr: float = 1e-3
@@ -71,6 +80,26 @@ class FederationConfig:
     secagg_scale: float = 2.0**24  # fixed-point scale
     max_weight: int = 100_000  # cap on a factory's example-count weight
     resume_from: str = ""  # a version id: continue the federation from it (after a crash); rounds keep their numbers
+    # Distillation: "off", "after" (FedAvg, then distil the ensemble every `distill_every` rounds),
+    # or "only" (factories send predictions, never weights; every round distils).
+    distill: str = "off"
+    distill_every: int = 1
+    distill_temperature: float = 2.0
+    distill_epochs: int = 30
+    distill_patience: int = 3
+    distill_lr: float = 1e-3
+    proxy_size: int = 500  # generated proxy images (demo); ignored with proxy_data
+    proxy_data: str = ""  # a folder of unlabelled images of the domain, held by the server
+    validation_size: int = 600  # generated labelled images for keep-or-drop decisions
+    validation_data: str = ""  # an image folder (one sub-folder per class) for those decisions
+    proxy_timeout: float = 300.0
+    distill_threads: int = 0  # torch threads while distilling (the factories are idle then); 0: every core
+
+    def __post_init__(self) -> None:
+        if self.distill not in MODES:
+            raise ValueError(f"distill must be one of {MODES}, got {self.distill!r}")
+        if self.distill_every < 1:
+            raise ValueError(f"distill-every must be >= 1, got {self.distill_every}")
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> FederationConfig:
@@ -82,27 +111,41 @@ class FederationConfig:
                 values[name] = value
         return cls(**values)
 
-    def train_config(self, server_round: int) -> dict[str, Any]:
+    def train_config(self, server_round: int, architecture: str | None = None) -> dict[str, Any]:
         return {
-            "server-round": server_round, "architecture": self.architecture, "local-epochs": self.local_epochs,
+            "server-round": server_round, "architecture": architecture or self.architecture, "local-epochs": self.local_epochs,
             "batch-size": self.batch_size, "lr": self.lr, "optimizer": self.optimizer, "seed": self.seed,
         }
+
+    def distills_in(self, server_round: int) -> bool:
+        return self.distill == "only" or (self.distill == "after" and server_round % self.distill_every == 0)
+
+    @property
+    def spec(self) -> datasets.SyntheticSpec:
+        return datasets.SyntheticSpec(seed=self.data_seed, num_factories=self.num_factories, alpha=self.alpha)
 
 
 def _test_set(cfg: FederationConfig) -> ImageDataset:
     if cfg.test_data:
         data, _ = load_image_folder(cfg.test_data)
         return data
-    spec = datasets.SyntheticSpec(seed=cfg.data_seed, num_factories=cfg.num_factories, alpha=cfg.alpha)
-    return datasets.test_dataset(spec, cfg.test_size)
+    return datasets.test_dataset(cfg.spec, cfg.test_size)
 
 
 def _to_state(weights: "OrderedDict[str, np.ndarray]") -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(v) for k, v in weights.items()}
 
 
+def _state_of(model: torch.nn.Module) -> "OrderedDict[str, np.ndarray]":
+    return OrderedDict((k, v.detach().numpy().copy()) for k, v in model.state_dict().items())
+
+
+def _arrays(weights: "OrderedDict[str, np.ndarray]") -> ArrayRecord:
+    return ArrayRecord(OrderedDict((k, Array(v)) for k, v in weights.items()))
+
+
 class RoundAborted(RuntimeError):
-    """The round cannot produce a model; the global model stays as it was."""
+    """The round cannot produce a model; the global models stay as they were."""
 
     def __init__(self, reason: str, failures: dict[str, str], participants: list[str]) -> None:
         super().__init__(reason)
@@ -129,27 +172,40 @@ class Federation:
         self.run_id = f"run-{flwr_run_id}" if flwr_run_id else f"run-{uuid.uuid4().hex[:12]}"
         self.flwr_run_id = flwr_run_id
         self.factory_of_node: dict[int, str] = {}
-        self.model = build_model(cfg.architecture, num_classes=6, seed=cfg.seed)
+        self.architecture_of_node: dict[int, str] = {}
+        self.lines: dict[str, Line] = {}
+        self.models: dict[str, torch.nn.Module] = {}
         self.test_data = _test_set(cfg)
+        self.resumed_round = 0
+        self.proxy: ProxySet | None = None
+        self.validation: ImageDataset | None = None
+        self.proxy_ready: set[int] = set()  # nodes holding this run's proxy set (it travels once per run)
+        if cfg.distill != "off":
+            self.proxy = load_proxy(cfg.proxy_data, cfg.spec, cfg.proxy_size)
+            self.validation = load_validation(cfg.validation_data, cfg.test_data, cfg.spec, cfg.validation_size)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The default architecture's model object (tests and tools evaluate with it)."""
+        return self._model(self.cfg.architecture)
 
     # ---------------------------------------------------------------------------------------
     def run(self) -> None:
         cfg = self.cfg
         self.registry.start_run(self.run_id, self.flwr_run_id, asdict(cfg))
-        log.info("run %s: %d rounds of %s, registry %s", self.run_id, cfg.num_server_rounds, cfg.architecture, cfg.registry_dir)
+        log.info("run %s: %d rounds (default architecture %s, distillation %s), registry %s", self.run_id, cfg.num_server_rounds,
+                 cfg.architecture, cfg.distill, cfg.registry_dir)
         try:
             if cfg.resume_from:
                 version = self.registry.get_version(cfg.resume_from)
-                if version is None or version.architecture != cfg.architecture:
-                    raise ValueError(f"cannot resume from {cfg.resume_from!r}: no such {cfg.architecture} version in the registry")
-                weights = self.registry.load_weights(version.id)  # sha256-verified
+                if version is None:
+                    raise ValueError(f"cannot resume from {cfg.resume_from!r}: no such version in the registry")
+                self.resumed_round = version.server_round
                 log.info("run %s resumes the federation from version %s (round %d)", self.run_id, version.id, version.server_round)
-            else:
-                weights = OrderedDict((k, v.detach().numpy().copy()) for k, v in self.model.state_dict().items())
-                version = self._record_version(0, None, "initial", weights, self._evaluate(weights), participants=[])
+            self._line(cfg.architecture)
             self._wait_for_factories()
-            for server_round in range(version.server_round + 1, cfg.num_server_rounds + 1):
-                weights, version = self._round(server_round, weights, version)
+            for server_round in range(self.resumed_round + 1, cfg.num_server_rounds + 1):
+                self._round(server_round)
         except BaseException as exc:
             status = ending_for(exc)
             log.exception("run %s %s", self.run_id, status)
@@ -158,31 +214,132 @@ class Federation:
         self.registry.finish_run(self.run_id, "finished")
         log.info("run %s finished", self.run_id)
 
-    def _round(self, server_round: int, weights: "OrderedDict[str, np.ndarray]", parent: Any) -> tuple[Any, Any]:
+    def _round(self, server_round: int) -> None:
         t0 = time.perf_counter()
-        aggregate = self._secure_fedavg if self.cfg.secure_aggregation else self._plain_fedavg
+        cfg, failures = self.cfg, {}
+        distilling = cfg.distills_in(server_round) and self.proxy is not None
+        nodes = self._describe(sorted(self.grid.get_node_ids()), server_round, failures)
+        if distilling:
+            nodes = self._deliver_proxy(nodes, server_round, failures)
+        aggregate = self._secure_round if cfg.secure_aggregation else self._plain_round
         try:
-            new_weights, participants, failures, factory_metrics, privacy = aggregate(server_round, weights)
+            result = aggregate(server_round, nodes, distilling, failures)
         except RoundAborted as exc:
             self._log_failures(server_round, exc.failures)
-            log.error("round %d aborted: %s; the global model is unchanged", server_round, exc)
+            log.error("round %d aborted: %s; the global models are unchanged", server_round, exc)
             self.registry.record_round(
                 self.run_id, server_round, status="aborted", participants=exc.participants, failures=exc.failures,
                 seconds=time.perf_counter() - t0, version_id=None, metrics={"reason": str(exc)},
             )
-            return weights, parent
-        self._log_failures(server_round, failures)
-        central = self._evaluate(new_weights)
-        version = self._record_version(server_round, parent.id, "fedavg", new_weights, {**central, **factory_metrics}, participants, privacy)
+            return
+        self._log_failures(server_round, result.failures)
+        metrics = dict(result.metrics)
+        versions = {}
+        for arch in sorted({self.architecture_of_node[n] for n in nodes} | set(result.group_weights)):
+            line = self._line(arch)
+            weights, kind = result.group_weights.get(arch), "fedavg"
+            if distilling and result.ensemble is not None:
+                with torch_threads(cfg.distill_threads or os.cpu_count() or 1):
+                    outcome = distil_into(self._model(arch), weights if weights is not None else line.weights, self.proxy, result.ensemble,
+                                          self.validation, self._distill_config(server_round))
+                metrics |= outcome.metrics(f"{arch}/")
+                log.info("round %d: distilled the ensemble of %d factories into %s: validation accuracy %.4f -> %.4f, %s",
+                         server_round, result.ensemble_size, arch, outcome.val_accuracy_before, outcome.val_accuracy_after,
+                         "kept" if outcome.kept else "dropped (kept the undistilled model)")
+                if outcome.kept:
+                    weights, kind = outcome.weights, "distilled"
+            if weights is None:
+                continue  # nothing new for this group this round
+            central = self._evaluate(arch, weights)
+            metrics |= {f"{arch}/accuracy": central["accuracy"], f"{arch}/loss": central["loss"]}
+            line.version = self._record_version(server_round, line.version.id, kind, arch, weights,
+                                                {**central, **metrics}, result.participants, result.privacy)
+            line.weights = weights
+            versions[arch] = line.version
         seconds = time.perf_counter() - t0
+        primary = versions.get(cfg.architecture) or (next(iter(versions.values())) if versions else None)
+        if primary is None:
+            log.error("round %d aborted: no group received an update or a kept distillation; the global models are unchanged", server_round)
+            self.registry.record_round(self.run_id, server_round, status="aborted", participants=result.participants, failures=result.failures,
+                                       seconds=seconds, version_id=None, metrics={**metrics, "reason": "no group produced a model"})
+            return
         self.registry.record_round(
-            self.run_id, server_round, status="completed", accuracy=central["accuracy"], loss=central["loss"],
-            participants=participants, failures=failures, metrics=factory_metrics, seconds=seconds, version_id=version.id,
+            self.run_id, server_round, status="completed", accuracy=primary.metrics["accuracy"], loss=primary.metrics["loss"],
+            participants=result.participants, failures=result.failures, metrics=metrics, seconds=seconds, version_id=primary.id,
         )
-        log.info("round %d: accuracy %.4f loss %.4f from %s in %.2fs%s", server_round, central["accuracy"], central["loss"], participants,
-                 seconds, " (secure aggregation)" if self.cfg.secure_aggregation else "")
-        return new_weights, version
+        log.info("round %d: %s from %s in %.2fs%s", server_round,
+                 ", ".join(f"{a} accuracy {v.metrics['accuracy']:.4f}" for a, v in versions.items()), result.participants, seconds,
+                 " (secure aggregation)" if cfg.secure_aggregation else "")
 
+    # groups ----------------------------------------------------------------------------------
+    def _line(self, arch: str) -> Line:
+        """The group's line: loaded from the registry when resuming, else a fresh initial version."""
+        if arch in self.lines:
+            return self.lines[arch]
+        if self.resumed_round:
+            candidates = [v for v in self.registry.versions() if v.architecture == arch and v.server_round <= self.resumed_round]
+            if candidates:
+                head = max(candidates, key=lambda v: (v.server_round, v.created_at))
+                self.lines[arch] = Line(arch, self.registry.load_weights(head.id), head)  # sha256-verified
+                return self.lines[arch]
+        weights = _state_of(build_model(arch, num_classes=NUM_CLASSES, seed=self.cfg.seed))
+        version = self._record_version(self.resumed_round, None, "initial", arch, weights, self._evaluate(arch, weights), [])
+        self.lines[arch] = Line(arch, weights, version)
+        return self.lines[arch]
+
+    def _model(self, arch: str) -> torch.nn.Module:
+        if arch not in self.models:
+            self.models[arch] = build_model(arch, num_classes=NUM_CLASSES, seed=self.cfg.seed)
+        return self.models[arch]
+
+    def _describe(self, node_ids: list[int], server_round: int, failures: dict[str, str]) -> list[int]:
+        """Learn the architecture of nodes seen for the first time; returns the nodes that can take part."""
+        new = [n for n in node_ids if n not in self.architecture_of_node]
+        if new:
+            replies = self._exchange(new, "query.describe", server_round, lambda n: RecordDict(), self.cfg.secagg_timeout, failures)
+            for node, reply in replies.items():
+                arch = str(reply.content["info"].get("architecture", "")) or self.cfg.architecture
+                try:
+                    self._line(arch)
+                except ValueError as exc:
+                    failures[self._name(node)] = f"declares an unusable architecture: {exc}"
+                    continue
+                self.architecture_of_node[node] = arch
+                log.info("factory %s trains %s", self._name(node), arch)
+        return [n for n in node_ids if n in self.architecture_of_node]
+
+    def _deliver_proxy(self, node_ids: list[int], server_round: int, failures: dict[str, str]) -> list[int]:
+        """Make sure every node holds the proxy set: the hash first, the images only to nodes that lack them."""
+        assert self.proxy is not None
+        sha = ConfigRecord({"sha256": self.proxy.sha256})
+        pending = [n for n in node_ids if n not in self.proxy_ready]
+        if pending:
+            replies = self._exchange(pending, "query.proxy", server_round, lambda n: RecordDict({"proxy": sha}), self.cfg.secagg_timeout, failures)
+            self.proxy_ready |= {n for n, r in replies.items() if r.content["proxy"]["have"]}
+            missing = [n for n in replies if n not in self.proxy_ready]
+            if missing:
+                images = ArrayRecord(OrderedDict(images=Array(self.proxy.images)))
+                replies = self._exchange(missing, "query.proxy", server_round, lambda n: RecordDict({"proxy": sha, "images": images}),
+                                         self.cfg.proxy_timeout, failures)
+                self.proxy_ready |= {n for n, r in replies.items() if r.content["proxy"]["have"]}
+                log.info("round %d: sent the proxy set (%d images, %.1f MB) to %d factories", server_round, len(self.proxy),
+                         self.proxy.images.nbytes / 1e6, len(missing))
+        return [n for n in node_ids if n in self.proxy_ready]
+
+    def _distill_config(self, server_round: int) -> DistillConfig:
+        c = self.cfg
+        return DistillConfig(temperature=c.distill_temperature, epochs=c.distill_epochs, patience=c.distill_patience, lr=c.distill_lr,
+                             seed=c.seed * 1000 + server_round)
+
+    def _round_config(self, server_round: int, arch: str, distilling: bool, send_weights: bool) -> ConfigRecord:
+        config = self.cfg.train_config(server_round, arch)
+        if distilling:
+            assert self.proxy is not None
+            config |= {"proxy-sha256": self.proxy.sha256, "temperature": self.cfg.distill_temperature}
+        config["send-weights"] = send_weights
+        return ConfigRecord(config)
+
+    # messaging ---------------------------------------------------------------------------------
     def _log_failures(self, server_round: int, failures: dict[str, str]) -> None:
         for name, reason in sorted(failures.items()):
             log.warning("round %d: factory %s failed and is left out: %s", server_round, name, reason)
@@ -204,71 +361,113 @@ class Federation:
             good[node_id] = reply
         return good
 
-    def _plain_fedavg(self, server_round: int, weights: "OrderedDict[str, np.ndarray]") -> tuple[Any, list[str], dict[str, str], dict[str, float], dict[str, Any]]:
-        cfg, failures = self.cfg, {}
-        content = RecordDict({
-            "arrays": ArrayRecord(OrderedDict((k, Array(v)) for k, v in weights.items())),
-            "config": ConfigRecord(cfg.train_config(server_round)),
-        })
-        replies = self._exchange(sorted(self.grid.get_node_ids()), MessageType.TRAIN, server_round, lambda n: content, cfg.round_timeout, failures)
-        updates = []
+    # aggregation -------------------------------------------------------------------------------
+    def _plain_round(self, server_round: int, nodes: list[int], distilling: bool, failures: dict[str, str]) -> RoundResult:
+        cfg = self.cfg
+        send_weights = cfg.distill != "only"
+        contents = {
+            arch: RecordDict({"arrays": _arrays(line.weights), "config": self._round_config(server_round, arch, distilling, send_weights)})
+            for arch, line in self.lines.items()
+        }
+        replies = self._exchange(nodes, MessageType.TRAIN, server_round, lambda n: contents[self.architecture_of_node[n]], cfg.round_timeout, failures)
+        updates: dict[str, list[FactoryUpdate]] = {}
+        predictions: list[tuple[np.ndarray, np.ndarray]] = []
+        good: list[FactoryUpdate] = []
         for node_id, reply in replies.items():
+            arch = self.architecture_of_node[node_id]
             try:
-                updates.append(self._parse_update(node_id, reply, weights))
+                update = self._parse_update(node_id, reply, self.lines[arch].weights if send_weights else None)
+                if distilling:
+                    predictions.append(self._parse_predictions(reply, update.factory_id))
             except (UpdateError, KeyError, TypeError, ValueError) as exc:
                 failures[self._name(node_id)] = str(exc)
-        participants = sorted(u.factory_id for u in updates)
-        if len(updates) < cfg.min_factories:
-            raise RoundAborted(f"{len(updates)} good updates, {cfg.min_factories} required", failures, participants)
-        privacy = {u.factory_id: {k: u.metrics[k] for k in PRIVACY_KEYS if k in u.metrics} for u in updates if "epsilon-spent" in u.metrics}
-        metrics = {**_weighted_metrics(updates), "bytes-received": float(sum(a.nbytes for u in updates for a in u.weights.values()))}
-        return fedavg(updates, like=weights), participants, failures, metrics, privacy
+                continue
+            good.append(update)
+            if send_weights:
+                updates.setdefault(arch, []).append(update)
+        participants = sorted(u.factory_id for u in good)
+        if len(good) < cfg.min_factories:
+            raise RoundAborted(f"{len(good)} good updates, {cfg.min_factories} required", failures, participants)
+        result = RoundResult(participants=participants, failures=failures)
+        result.privacy = {u.factory_id: {k: u.metrics[k] for k in PRIVACY_KEYS if k in u.metrics} for u in good if "epsilon-spent" in u.metrics}
+        for arch, group in updates.items():
+            result.group_weights[arch] = fedavg(group, like=self.lines[arch].weights)
+            result.group_examples[arch] = float(sum(u.num_examples for u in group))
+        if predictions:
+            weighted_sum = sum(counts[None, :] * q for q, counts in predictions)
+            result.ensemble, result.ensemble_size = ensemble_of(weighted_sum, sum(c for _, c in predictions)), len(predictions)
+        received = sum(a.nbytes for u in good for a in u.weights.values()) + sum(q.size * 4 + c.size * 8 for q, c in predictions)
+        result.metrics = {**_weighted_metrics(good), "bytes-received": float(received),
+                          "uplink-bytes-per-factory": float(received) / len(good)}
+        return result
 
-    def _secure_fedavg(self, server_round: int, weights: "OrderedDict[str, np.ndarray]") -> tuple[Any, list[str], dict[str, str], dict[str, float], dict[str, Any]]:
-        """FedAvg through SecAgg+: the server learns sum(n * update) and sum(n), nothing per factory."""
-        cfg, failures = self.cfg, {}
-        node_ids = sorted(self.grid.get_node_ids())
-        slot_of = {n: i + 1 for i, n in enumerate(node_ids)}
+    def _secure_round(self, server_round: int, nodes: list[int], distilling: bool, failures: dict[str, str]) -> RoundResult:
+        """Every group's FedAvg and the prediction ensemble through one SecAgg+ session: the server learns sums only."""
+        cfg = self.cfg
+        slot_of = {n: i + 1 for i, n in enumerate(nodes)}
         node_of = {s: n for n, s in slot_of.items()}
-        n = len(node_ids)
+        n = len(nodes)
         threshold = cfg.secagg_threshold or max(2, math.ceil(2 * n / 3))
         if n < max(threshold, cfg.min_factories):
             raise RoundAborted(f"{n} factories connected, secure aggregation needs {max(threshold, cfg.min_factories)}", failures, [])
+        # A group of one would have its member's update revealed by its slot of the sum: it sends predictions only.
+        members = {arch: [m for m in nodes if self.architecture_of_node[m] == arch] for arch in self.lines}
+        sends_weights = {m: cfg.distill != "only" and len(members[self.architecture_of_node[m]]) >= 2 for m in nodes}
+        for arch, group in members.items():
+            if len(group) == 1 and cfg.distill != "only":
+                log.warning("round %d: %s is the only factory training %s; under secure aggregation it %s", server_round,
+                            self._name(group[0]), arch, "contributes predictions only" if distilling else "cannot contribute this round")
+        layout = SecureLayout.of({a: self.lines[a].num_parameters for a, g in members.items() if any(sends_weights[m] for m in g)},
+                                 len(self.proxy) * NUM_CLASSES if distilling and self.proxy is not None else 0, NUM_CLASSES)
+        if not layout.groups and not layout.predictions:
+            raise RoundAborted("no factory can contribute under secure aggregation (groups of one, no distillation)", failures, [])
         session = session_id(self.run_id, server_round)
         secure = SecureSum(session, list(node_of), threshold, cfg.secagg_degree or n - 1)
         base = {"session": session.decode()}
 
-        def stage(nodes: list[int], name: str, fields: Any, timeout: float) -> dict[int, dict[str, Any]]:
-            replies = self._exchange(nodes, f"query.secagg_{name}", server_round,
+        def stage(targets: list[int], name: str, fields: Any, timeout: float) -> dict[int, dict[str, Any]]:
+            replies = self._exchange(targets, f"query.secagg_{name}", server_round,
                                      lambda node: RecordDict({"secagg": ConfigRecord({**base, **fields(slot_of[node])})}), timeout, failures)
             return {slot_of[node]: dict(r.content["secagg"]) for node, r in replies.items()}
 
         try:
-            keys = stage(node_ids, "advertise", lambda slot: {"slot": slot, "threshold": threshold}, cfg.secagg_timeout)
+            keys = stage(nodes, "advertise", lambda slot: {"slot": slot, "threshold": threshold}, cfg.secagg_timeout)
             plan = secure.add_public_keys({slot: (r["enc-pk"], r["mask-pk"]) for slot, r in keys.items()})
             shared = stage([node_of[s] for s in plan], "share",
                            lambda slot: {"neighbors": plan[slot][0], "enc-pks": plan[slot][1], "mask-pks": plan[slot][2]}, cfg.secagg_timeout)
             routed = secure.add_share_boxes({slot: dict(zip(r["to"], r["boxes"])) for slot, r in shared.items()})
 
-            arrays = ArrayRecord(OrderedDict((k, Array(v)) for k, v in weights.items()))
-            train_config = ConfigRecord(cfg.train_config(server_round))
-            secagg_common = {**base, "alive": secure.u2, "clip": float(cfg.update_clip), "scale": float(cfg.secagg_scale), "max-weight": cfg.max_weight}
-            replies = self._exchange(
-                [node_of[s] for s in secure.u2], MessageType.TRAIN, server_round,
-                lambda node: RecordDict({"arrays": arrays, "config": train_config, "secagg": ConfigRecord(
-                    {**secagg_common, "from": list(routed[slot_of[node]]), "boxes": list(routed[slot_of[node]].values())})}),
-                cfg.round_timeout, failures,
-            )
+            secagg_common = {**base, "alive": secure.u2, "clip": float(cfg.update_clip), "scale": float(cfg.secagg_scale), "max-weight": cfg.max_weight,
+                             "groups": [a.encode() for a, _ in layout.groups], "group-sizes": [size for _, size in layout.groups],
+                             "predictions": layout.predictions, "classes": layout.classes}
+
+            def train_message(node: int) -> RecordDict:
+                arch = self.architecture_of_node[node]
+                return RecordDict({
+                    "arrays": _arrays(self.lines[arch].weights),
+                    "config": self._round_config(server_round, arch, distilling, sends_weights[node]),
+                    "secagg": ConfigRecord({**secagg_common, "from": list(routed[slot_of[node]]), "boxes": list(routed[slot_of[node]].values())}),
+                })
+
+            replies = self._exchange([node_of[s] for s in secure.u2], MessageType.TRAIN, server_round, train_message, cfg.round_timeout, failures)
+            masked_inputs: dict[int, np.ndarray] = {}
             metrics: dict[int, dict[str, float]] = {}
-            bytes_received = 0
             for node, reply in replies.items():
                 try:
-                    factory_metrics = {k: float(v) for k, v in reply.content["metrics"].items()}
-                    masked = reply.content["arrays"]["masked"].numpy()
-                    secure.add_masked_input(slot_of[node], masked)
-                    metrics[slot_of[node]] = factory_metrics
-                    bytes_received += masked.nbytes
+                    metrics[node] = {k: float(v) for k, v in reply.content["metrics"].items()}
+                    masked_inputs[node] = reply.content["arrays"]["masked"].numpy()
                 except (KeyError, TypeError, ValueError) as exc:
+                    failures[self._name(node)] = f"malformed masked input: {exc}"
+            # An honest server never unmasks a group slot that holds a single factory's update.
+            for arch, group in members.items():
+                senders = [m for m in group if m in masked_inputs and sends_weights[m]]
+                if len(senders) == 1:
+                    failures[self._name(senders[0])] = f"the only {arch} factory left in the round: its update would be revealed, so it is treated as dropped"
+                    del masked_inputs[senders[0]]
+            for node, masked in masked_inputs.items():
+                try:
+                    secure.add_masked_input(slot_of[node], masked)
+                except ValueError as exc:
                     failures[self._name(node)] = f"malformed masked input: {exc}"
             survivors, dropped = secure.unmask_request()
             participants = sorted(self._name(node_of[s]) for s in survivors)
@@ -279,19 +478,36 @@ class Federation:
                 {u: (i, s) for u, i, s in zip(r["seed-slots"], r["seed-index"], r["seed-shares"])},
                 {u: (i, s) for u, i, s in zip(r["key-slots"], r["key-index"], r["key-shares"])},
             ) for slot, r in answers.items()})
-            new_weights, total_weight = decode_sum(total, weights, cfg.secagg_scale)
         except SecAggAborted as exc:
             raise RoundAborted(str(exc), failures, []) from exc
-        check_like(weights, new_weights, source="securely aggregated model")
-        privacy = {self._name(node_of[s]): {k: m[k] for k, v in m.items() if k in PRIVACY_KEYS} for s, m in metrics.items() if "epsilon-spent" in m}
-        common_keys = set.intersection(*(set(m) for m in metrics.values())) - set(PRIVACY_KEYS)
-        factory_metrics = {f"factory-{k}": float(np.mean([m[k] for m in metrics.values()])) for k in sorted(common_keys)}
-        factory_metrics["total-examples"] = total_weight
-        factory_metrics["bytes-received"] = float(bytes_received)
-        return new_weights, participants, failures, factory_metrics, privacy
+        return self._decode_secure_sum(total, layout, participants, failures, {node_of[s]: metrics.get(node_of[s], {}) for s in survivors},
+                                       bytes_received=sum(masked_inputs[node_of[s]].nbytes for s in survivors))
+
+    def _decode_secure_sum(self, total: np.ndarray, layout: SecureLayout, participants: list[str], failures: dict[str, str],
+                           metrics: dict[int, dict[str, float]], bytes_received: int) -> RoundResult:
+        """Turn the one vector the server may see (the sum) into group models and the ensemble."""
+        result = RoundResult(participants=participants, failures=failures)
+        groups, ensemble = layout.decode(total, self.cfg.secagg_scale)
+        for arch, (weighted_sum, total_weight) in groups.items():
+            if total_weight <= 0:
+                continue
+            new = apply_group_sum(self.lines[arch].weights, weighted_sum, total_weight)
+            check_like(self.lines[arch].weights, new, source=f"securely aggregated {arch} model")
+            result.group_weights[arch], result.group_examples[arch] = new, total_weight
+        if ensemble is not None:
+            weighted_sum, count_sum = ensemble
+            if count_sum.sum() > 0 and np.isfinite(weighted_sum).all():
+                result.ensemble, result.ensemble_size = ensemble_of(weighted_sum, count_sum), len(participants)
+        result.privacy = {self._name(node): {k: v for k, v in m.items() if k in PRIVACY_KEYS} for node, m in metrics.items() if "epsilon-spent" in m}
+        per_factory = [m for m in metrics.values() if m]
+        common_keys = set.intersection(*(set(m) for m in per_factory)) - set(PRIVACY_KEYS) if per_factory else set()
+        result.metrics = {f"factory-{k}": float(np.mean([m[k] for m in per_factory])) for k in sorted(common_keys)}
+        result.metrics |= {"total-examples": float(sum(result.group_examples.values())), "bytes-received": float(bytes_received),
+                           "uplink-bytes-per-factory": float(bytes_received) / max(1, len(participants))}
+        return result
 
     # ---------------------------------------------------------------------------------------
-    def _parse_update(self, node_id: int, reply: Message, like: "OrderedDict[str, np.ndarray]") -> FactoryUpdate:
+    def _parse_update(self, node_id: int, reply: Message, like: "OrderedDict[str, np.ndarray] | None") -> FactoryUpdate:
         if reply.has_error():
             raise UpdateError(f"error reply: {reply.error.reason}")
         content = reply.content
@@ -300,24 +516,38 @@ class Federation:
         metrics = {k: float(v) for k, v in content["metrics"].items()}
         update = FactoryUpdate(
             factory_id=factory_id, node_id=node_id,
-            weights=OrderedDict((k, a.numpy()) for k, a in content["arrays"].items()),
+            weights=OrderedDict((k, a.numpy()) for k, a in content["arrays"].items()) if like is not None else OrderedDict(),
             num_examples=int(metrics.pop("num-examples", 0)), metrics=metrics,
         )
-        validate_update(like, update)
+        if like is not None:
+            validate_update(like, update)
         return update
+
+    def _parse_predictions(self, reply: Message, factory_id: str) -> tuple[np.ndarray, np.ndarray]:
+        """A factory's balanced proxy-set predictions and class counts, checked (raises naming the factory)."""
+        assert self.proxy is not None
+        if "predictions" not in reply.content:
+            raise UpdateError(f"factory {factory_id}: no predictions in a distillation round")
+        record = reply.content["predictions"]
+        q = check_predictions(record["probabilities"].numpy(), len(self.proxy), NUM_CLASSES, f"factory {factory_id}")
+        counts = np.asarray(record["class-counts"].numpy(), dtype=np.float64)
+        if counts.shape != (NUM_CLASSES,) or not np.isfinite(counts).all() or (counts < 0).any() or counts.sum() <= 0:
+            raise UpdateError(f"factory {factory_id}: class counts {counts.tolist()} are not {NUM_CLASSES} non-negative numbers")
+        return q, np.minimum(counts, float(self.cfg.max_weight))
 
     def _name(self, node_id: int) -> str:
         return self.factory_of_node.get(node_id, f"node-{node_id}")
 
-    def _evaluate(self, weights: "OrderedDict[str, np.ndarray]") -> dict[str, float]:
-        self.model.load_state_dict(_to_state(weights))
-        result = evaluate(self.model, self.test_data)
+    def _evaluate(self, arch: str, weights: "OrderedDict[str, np.ndarray]") -> dict[str, float]:
+        model = self._model(arch)
+        model.load_state_dict(_to_state(weights))
+        result = evaluate(model, self.test_data)
         return {"accuracy": result.accuracy, "loss": result.loss}
 
-    def _record_version(self, server_round: int, parent_id: str | None, kind: str, weights: Any, metrics: dict[str, float],
+    def _record_version(self, server_round: int, parent_id: str | None, kind: str, arch: str, weights: Any, metrics: dict[str, float],
                         participants: list[str], privacy: dict[str, Any] | None = None) -> Any:
         return self.registry.add_version(NewVersion(
-            run_id=self.run_id, server_round=server_round, parent_id=parent_id, kind=kind, architecture=self.cfg.architecture,
+            run_id=self.run_id, server_round=server_round, parent_id=parent_id, kind=kind, architecture=arch,
             weights=weights, metrics=metrics, participants=participants, privacy=privacy,
             secure_aggregation=self.cfg.secure_aggregation and kind != "initial",
         ))
@@ -334,5 +564,7 @@ class Federation:
 def _weighted_metrics(updates: list[FactoryUpdate]) -> dict[str, float]:
     """Example-weighted means of the factories' own metrics (prefixed ``factory-``; privacy is per factory)."""
     total = sum(u.num_examples for u in updates)
+    if total <= 0:
+        return {}
     keys = set.intersection(*(set(u.metrics) for u in updates)) - set(PRIVACY_KEYS)
     return {f"factory-{k}": sum(u.metrics[k] * u.num_examples for u in updates) / total for k in sorted(keys)}

@@ -63,6 +63,7 @@ class LocalFederation:
     admin_token: str = ""
     central_flags: list[str] = field(default_factory=list)  # extra `fedforge server` flags (e.g. --rounds 3)
     tls: bool = False  # TLS everywhere and SuperNode authentication (certificates made under <root>/certs)
+    architectures: list[str] = field(default_factory=list)  # per factory, cycled (e.g. cnn-small, cnn-medium); empty: the run's default
 
     @property
     def certs_dir(self) -> Path:
@@ -101,7 +102,10 @@ class LocalFederation:
     def _data_flags(self, index: int) -> list[str]:
         return ["--factory-index", str(index), "--num-factories", str(self.num_factories), "--data-seed", str(self.seed),
                 "--alpha", str(self.alpha), "--train-size", str(self.train_size),
-                "--state-dir", str(self.root / f"factory-{index}" / "state"), *self.factory_flags]
+                "--state-dir", str(self.root / f"factory-{index}" / "state"), *self.architecture_flags(index), *self.factory_flags]
+
+    def architecture_flags(self, index: int) -> list[str]:
+        return ["--architecture", self.architectures[index % len(self.architectures)]] if self.architectures else []
 
     def start_factory(self, index: int, separate_agent: bool = False) -> Factory:
         """One factory; with ``separate_agent`` its agent and SuperNode are separate processes."""

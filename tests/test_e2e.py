@@ -13,6 +13,7 @@ import time
 import pytest
 
 from common.procs import ProcessSet
+from tests.conftest import federation_pids
 from server.local import LocalFederation, wait_for_run
 from server.registry.service import Registry
 
@@ -20,21 +21,31 @@ pytestmark = pytest.mark.slow
 CHANCE = 1 / 6
 
 
-def test_demo_runs_a_federation_and_cleans_up(tmp_path, no_leftover_processes):
-    summary_path = tmp_path / "summary.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "common.cli", "demo", "--factories", "3", "--rounds", "2", "--workdir", str(tmp_path / "demo"),
-         "--json", str(summary_path)],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads(summary_path.read_text())
+def _leftovers(before: set[int]) -> set[int]:
+    deadline = time.monotonic() + 15
+    while (left := federation_pids() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+@pytest.fixture(scope="module")
+def default_demo(tmp_path_factory):
+    """`fedforge demo --factories 3 --rounds 2` with its defaults (secure aggregation on), run once for this module."""
+    tmp_path = tmp_path_factory.mktemp("default-demo")
+    before = federation_pids()
+    summary, proc = _demo(tmp_path, "secure", train_size=600)
+    return tmp_path, summary, proc, _leftovers(before)
+
+
+def test_demo_runs_a_federation_and_cleans_up(default_demo):
+    tmp_path, summary, proc, leftovers = default_demo
+    assert not leftovers, f"processes left running after the demo: {leftovers}"
     assert [r["round"] for r in summary["rounds"]] == [1, 2]
     assert all(r["status"] == "completed" and len(r["participants"]) == 3 for r in summary["rounds"])
     assert summary["final_accuracy"] > CHANCE + 0.08, summary
     assert summary["wall_seconds"] > 0 and all(r["seconds"] > 0 for r in summary["rounds"])
 
-    registry = Registry.at(tmp_path / "demo" / "central" / "registry")
+    registry = Registry.at(tmp_path / "secure" / "central" / "registry")
     versions = registry.versions(summary["run_id"])
     assert [v.kind for v in versions] == ["initial", "fedavg", "fedavg"]
     assert [v.parent_id for v in versions[1:]] == [v.id for v in versions[:-1]]
@@ -90,20 +101,20 @@ def test_demo_with_dp_and_ddp(tmp_path, no_leftover_processes):
         assert privacy[-1][factory]["epsilon-max"] == 8.0
 
 
-def _demo(tmp_path, name: str, *flags: str) -> dict:
+def _demo(tmp_path, name: str, *flags: str, train_size: int = 600) -> tuple[dict, subprocess.CompletedProcess]:
     path = tmp_path / f"{name}.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "common.cli", "demo", "--factories", "3", "--rounds", "2", "--train-size", "300",
+        [sys.executable, "-m", "common.cli", "demo", "--factories", "3", "--rounds", "2", "--train-size", str(train_size),
          "--workdir", str(tmp_path / name), "--json", str(path), *flags],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(path.read_text())
+    return json.loads(path.read_text()), proc
 
 
-def test_secure_aggregation_reaches_the_same_accuracy_as_plain(tmp_path, no_leftover_processes):
-    secure = _demo(tmp_path, "secure")
-    plain = _demo(tmp_path, "plain", "--no-secure")
+def test_secure_aggregation_reaches_the_same_accuracy_as_plain(tmp_path, default_demo, no_leftover_processes):
+    secure = default_demo[1]
+    plain, _ = _demo(tmp_path, "plain", "--no-secure")
     assert [v["secure_aggregation"] for v in secure["versions"][1:]] == [True, True]
     assert [v["secure_aggregation"] for v in plain["versions"][1:]] == [False, False]
     # same seeds, data and training: only fixed-point rounding (2^-24) and clipping differ

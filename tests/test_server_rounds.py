@@ -59,15 +59,25 @@ class ScriptedGrid(Grid):
         raise NotImplementedError
 
 
-def factory(name: str, transform: Callable[[OrderedDict], OrderedDict]) -> Handler:
+def factory(name: str, transform: Callable[[OrderedDict], OrderedDict], architecture: str = "",
+            predictions: Callable[[int], np.ndarray] | None = None) -> Handler:
+    """A scripted factory: describes itself, holds any proxy set, and answers train with ``transform(weights)``."""
     def handle(msg: Message) -> Message:
+        info = ConfigRecord({"factory-id": name, "architecture": architecture})
+        if msg.metadata.message_type == "query.describe":
+            return Message(RecordDict({"info": info}), reply_to=msg)
+        if msg.metadata.message_type == "query.proxy":
+            return Message(RecordDict({"info": info, "proxy": ConfigRecord({"have": True})}), reply_to=msg)
         weights = OrderedDict((k, a.numpy()) for k, a in msg.content["arrays"].items())
-        out = transform(weights)
+        out = transform(weights) if msg.content["config"].get("send-weights", True) else OrderedDict()
         content = RecordDict({
             "arrays": ArrayRecord(OrderedDict((k, Array(v)) for k, v in out.items())),
             "metrics": MetricRecord({"num-examples": 100, "train-loss": 1.0}),
-            "info": ConfigRecord({"factory-id": name}),
+            "info": info,
         })
+        if predictions is not None and "proxy-sha256" in msg.content["config"]:
+            content["predictions"] = ArrayRecord(OrderedDict(probabilities=Array(predictions(int(msg.content["config"]["server-round"]))),
+                                                             **{"class-counts": Array(np.full(6, 10.0))}))
         return Message(content, reply_to=msg)
     return handle
 

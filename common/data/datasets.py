@@ -78,6 +78,14 @@ def test_dataset(spec: SyntheticSpec, size: int = 1200) -> ImageDataset:
     return ImageDataset(images, labels.astype(np.int64))
 
 
+def validation_dataset(spec: SyntheticSpec, size: int = 600) -> ImageDataset:
+    """A balanced labelled set, disjoint from the test set, for the server's model-selection decisions."""
+    rng = synth.rng_for(spec.seed, 6)
+    labels = rng.permutation(np.arange(size) % len(synth.CLASSES))
+    images = synth.render_many(rng, labels, _all_profiles(spec), spec.image_size)
+    return ImageDataset(images, labels.astype(np.int64))
+
+
 def proxy_images(spec: SyntheticSpec, size: int = 1000) -> np.ndarray:
     """Unlabelled images of the domain that the server may hold (for distillation)."""
     rng = synth.rng_for(spec.seed, 5)

@@ -79,3 +79,24 @@ def load_image_folder(
         )
     stacked = np.stack(images)[:, None, :, :]
     return ImageDataset(stacked, np.asarray(labels, dtype=np.int64), classes), report
+
+
+def load_unlabelled_folder(root: str | Path, size: int = DEFAULT_SIZE) -> tuple[np.ndarray, FolderReport]:
+    """Every readable image under ``root`` (any depth), as (N, 1, size, size) float32; labels are ignored.
+
+    For the server's distillation proxy set. Unreadable files are logged by name and skipped.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise DatasetError(f"proxy folder {root} does not exist or is not a directory")
+    report, images = FolderReport(), []
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES):
+        try:
+            images.append(_read_image(path, size))
+        except Exception as exc:  # PIL raises several types for bad files
+            report.skipped.append((str(path), f"{type(exc).__name__}: {exc}"))
+            log.warning("skipping unreadable image %s: %s", path, exc)
+    if not images:
+        raise DatasetError(f"proxy folder {root} holds no readable images")
+    report.loaded = len(images)
+    return np.stack(images)[:, None, :, :].astype(np.float32), report

@@ -69,7 +69,7 @@ class TrainRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., server_round: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., secagg: _Optional[_Mapping[str, Value]] = ...) -> None: ...
 
 class TrainReply(_message.Message):
-    __slots__ = ("factory_id", "weights", "num_examples", "metrics", "masked")
+    __slots__ = ("factory_id", "weights", "num_examples", "metrics", "masked", "predictions", "class_counts")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -82,12 +82,32 @@ class TrainReply(_message.Message):
     NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     MASKED_FIELD_NUMBER: _ClassVar[int]
+    PREDICTIONS_FIELD_NUMBER: _ClassVar[int]
+    CLASS_COUNTS_FIELD_NUMBER: _ClassVar[int]
     factory_id: str
     weights: _containers.RepeatedCompositeFieldContainer[Tensor]
     num_examples: int
     metrics: _containers.ScalarMap[str, float]
     masked: Tensor
-    def __init__(self, factory_id: _Optional[str] = ..., weights: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., num_examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., masked: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    predictions: Tensor
+    class_counts: Tensor
+    def __init__(self, factory_id: _Optional[str] = ..., weights: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., num_examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., masked: _Optional[_Union[Tensor, _Mapping]] = ..., predictions: _Optional[_Union[Tensor, _Mapping]] = ..., class_counts: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ProxyRequest(_message.Message):
+    __slots__ = ("sha256", "images")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    images: Tensor
+    def __init__(self, sha256: _Optional[str] = ..., images: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ProxyReply(_message.Message):
+    __slots__ = ("factory_id", "have")
+    FACTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    HAVE_FIELD_NUMBER: _ClassVar[int]
+    factory_id: str
+    have: bool
+    def __init__(self, factory_id: _Optional[str] = ..., have: _Optional[bool] = ...) -> None: ...
 
 class SecAggRequest(_message.Message):
     __slots__ = ("run_id", "server_round", "stage", "fields")
@@ -157,7 +177,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("factory_id", "status", "num_examples", "data_source", "uptime_seconds", "pid", "skipped_files", "privacy")
+    __slots__ = ("factory_id", "status", "num_examples", "data_source", "uptime_seconds", "pid", "skipped_files", "privacy", "architecture")
     class PrivacyEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +193,7 @@ class HealthReply(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FILES_FIELD_NUMBER: _ClassVar[int]
     PRIVACY_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     factory_id: str
     status: str
     num_examples: int
@@ -181,7 +202,8 @@ class HealthReply(_message.Message):
     pid: int
     skipped_files: _containers.RepeatedScalarFieldContainer[str]
     privacy: _containers.ScalarMap[str, float]
-    def __init__(self, factory_id: _Optional[str] = ..., status: _Optional[str] = ..., num_examples: _Optional[int] = ..., data_source: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pid: _Optional[int] = ..., skipped_files: _Optional[_Iterable[str]] = ..., privacy: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    architecture: str
+    def __init__(self, factory_id: _Optional[str] = ..., status: _Optional[str] = ..., num_examples: _Optional[int] = ..., data_source: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pid: _Optional[int] = ..., skipped_files: _Optional[_Iterable[str]] = ..., privacy: _Optional[_Mapping[str, float]] = ..., architecture: _Optional[str] = ...) -> None: ...
 
 class InspectRequest(_message.Message):
     __slots__ = ("image", "request_id")

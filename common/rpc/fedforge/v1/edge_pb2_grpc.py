@@ -55,6 +55,11 @@ class EdgeAgentStub:
                 request_serializer=fedforge_dot_v1_dot_edge__pb2.SecAggRequest.SerializeToString,
                 response_deserializer=fedforge_dot_v1_dot_edge__pb2.SecAggReply.FromString,
                 _registered_method=True)
+        self.Proxy = channel.unary_unary(
+                '/fedforge.v1.EdgeAgent/Proxy',
+                request_serializer=fedforge_dot_v1_dot_edge__pb2.ProxyRequest.SerializeToString,
+                response_deserializer=fedforge_dot_v1_dot_edge__pb2.ProxyReply.FromString,
+                _registered_method=True)
 
 
 class EdgeAgentServicer:
@@ -84,6 +89,12 @@ class EdgeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Proxy(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EdgeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +117,11 @@ def add_EdgeAgentServicer_to_server(servicer, server):
                     servicer.SecAgg,
                     request_deserializer=fedforge_dot_v1_dot_edge__pb2.SecAggRequest.FromString,
                     response_serializer=fedforge_dot_v1_dot_edge__pb2.SecAggReply.SerializeToString,
+            ),
+            'Proxy': grpc.unary_unary_rpc_method_handler(
+                    servicer.Proxy,
+                    request_deserializer=fedforge_dot_v1_dot_edge__pb2.ProxyRequest.FromString,
+                    response_serializer=fedforge_dot_v1_dot_edge__pb2.ProxyReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +232,33 @@ class EdgeAgent:
             '/fedforge.v1.EdgeAgent/SecAgg',
             fedforge_dot_v1_dot_edge__pb2.SecAggRequest.SerializeToString,
             fedforge_dot_v1_dot_edge__pb2.SecAggReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Proxy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedforge.v1.EdgeAgent/Proxy',
+            fedforge_dot_v1_dot_edge__pb2.ProxyRequest.SerializeToString,
+            fedforge_dot_v1_dot_edge__pb2.ProxyReply.FromString,
             options,
             channel_credentials,
             insecure,

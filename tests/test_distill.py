@@ -1,0 +1,270 @@
+"""Distillation rounds and architecture groups.
+
+The scripted-grid tests stand in for the SuperLink so that a reply can be made malformed on purpose;
+the secure test drives real edge agents (gRPC on loopback) through the real ClientApp handlers, and
+the end-to-end test runs ``fedforge demo --distill`` over real SuperLink/SuperNode processes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+from flwr.app import Context, Message, RecordDict
+
+from client import app as client_app
+from client.agent import serve
+from client.config import AgentConfig
+from common.distill import ProxyCache, ProxySet, ProxySetError, balanced_predictions, check_predictions, ensemble_of
+from common.procs import free_port
+from common.secagg import quantize
+from common.secagg.layout import SecureLayout, apply_group_sum
+from server.federation import Federation, FederationConfig
+from server.local import fedforge_command
+from server.registry.service import Registry
+from server.secure_sum import SecureSum
+from tests.test_server_rounds import ScriptedGrid, _task_identity, factory, plus  # noqa: F401 - fixture re-used
+
+PROXY, CLASSES = 32, 6
+
+
+def _config(tmp_path, **kw):
+    base = dict(num_server_rounds=1, test_size=60, validation_size=60, proxy_size=PROXY, distill_epochs=2, wait_for_factories=5,
+                round_timeout=60, secagg_timeout=60, registry_dir=str(tmp_path / "registry"), min_factories=2)
+    return FederationConfig(**{**base, **kw})
+
+
+def uniform(server_round: int) -> np.ndarray:
+    return np.full((PROXY, CLASSES), 1.0 / CLASSES, dtype=np.float32)
+
+
+# -- building blocks ---------------------------------------------------------------------------------
+def test_proxy_set_travels_by_content_hash(tmp_path):
+    images = np.random.default_rng(0).random((4, 1, 8, 8), dtype=np.float32)
+    proxy = ProxySet(images)
+    cache = ProxyCache(tmp_path)
+    assert cache.get(proxy.sha256) is None
+    with pytest.raises(ProxySetError, match="hashes to"):
+        cache.put(proxy.sha256, images + 1e-3)  # not what was announced: refused, nothing stored
+    assert cache.get(proxy.sha256) is None and not list(tmp_path.glob("*.npy"))
+    cache.put(proxy.sha256, images)
+    assert np.array_equal(ProxyCache(tmp_path).get(proxy.sha256).images, images)  # survives a restart
+    with pytest.raises(ProxySetError, match="NaN"):
+        ProxySet(np.full((2, 1, 4, 4), np.nan, dtype=np.float32))
+
+
+def test_predictions_are_checked_by_shape_and_value():
+    good = np.full((3, 6), 1 / 6)
+    assert check_predictions(good, 3, 6, "factory a").shape == (3, 6)
+    with pytest.raises(ValueError, match="factory b: predictions of shape"):
+        check_predictions(good[:, :5], 3, 6, "factory b")
+    bad = good.copy()
+    bad[0, 0] = np.inf
+    with pytest.raises(ValueError, match="factory c: predictions contain NaN or Inf"):
+        check_predictions(bad, 3, 6, "factory c")
+    with pytest.raises(ValueError, match="not probability distributions"):
+        check_predictions(good * 2, 3, 6, "factory d")
+
+
+def test_secure_layout_sums_each_group_and_the_ensemble():
+    rng = np.random.default_rng(1)
+    like = {"small": OrderedDict(w=np.zeros((2, 3), np.float32)), "medium": OrderedDict(w=np.zeros(5, np.float32))}
+    layout = SecureLayout.of({"small": 6, "medium": 5}, predictions=4 * 6, classes=6)
+    factories = [("small", 10), ("small", 30), ("medium", 20), (None, 0)]  # the last sends predictions only
+    total = np.zeros(layout.length, np.uint64)
+    deltas, qs, counts = {}, [], []
+    for arch, n in factories:
+        c = rng.integers(0, 50, size=6).astype(np.float64)
+        q = balanced_predictions(rng.dirichlet(np.ones(6), size=4), c)
+        qs.append(q)
+        counts.append(c)
+        new = None
+        if arch is not None:
+            new = OrderedDict(w=(like[arch]["w"] + rng.normal(0, 0.1, like[arch]["w"].shape)).astype(np.float32))
+            deltas.setdefault(arch, []).append((new["w"].astype(np.float64), n))
+        encoded, _ = layout.encode(arch, like.get(arch), new, n, (q, c), clip=100.0, scale=quantize.DEFAULT_SCALE, max_weight=1000)
+        total += encoded
+    groups, (weighted_sum, count_sum) = layout.decode(total, quantize.DEFAULT_SCALE)
+    assert np.allclose(count_sum, np.sum(counts, axis=0))
+    assert np.allclose(weighted_sum, sum(c[None, :] * q for q, c in zip(qs, counts)), atol=1e-5)
+    teacher = ensemble_of(weighted_sum, count_sum)
+    assert teacher.shape == (4, 6) and np.allclose(teacher.sum(axis=1), 1.0)
+    for arch, updates in deltas.items():
+        expected = sum(d * n for d, n in updates) / sum(n for _, n in updates)
+        assert groups[arch][1] == pytest.approx(sum(n for _, n in updates))
+        assert np.allclose(apply_group_sum(like[arch], *groups[arch])["w"], expected, atol=1e-5)
+    with pytest.raises(ValueError, match="not one of the round's groups"):
+        layout.encode("large", like["small"], like["small"], 1, (qs[0], counts[0]), 100.0, quantize.DEFAULT_SCALE, 1000)
+
+
+def test_balanced_ensemble_lets_each_factory_speak_for_its_own_classes():
+    """Two one-class factories each call everything their class; divided by their priors, the ensemble follows the images."""
+    # factory a has seen classes 0 and 1 (90/10), factory b classes 1 and 2 (10/90)
+    counts_a, counts_b = np.array([90.0, 10, 0, 0, 0, 0]), np.array([0.0, 10, 90, 0, 0, 0])
+    # an image of class 1: both factories still lean to their majority class, but less than their prior says
+    p_a = np.array([[0.7, 0.3, 0, 0, 0, 0]])
+    p_b = np.array([[0, 0.3, 0.7, 0, 0, 0]])
+    mean = (p_a + p_b) / 2
+    q_a, q_b = balanced_predictions(p_a, counts_a), balanced_predictions(p_b, counts_b)
+    teacher = ensemble_of(counts_a * q_a + counts_b * q_b, counts_a + counts_b)
+    assert mean.argmax() != 1 and teacher.argmax() == 1
+    assert teacher[0, 3:].sum() == 0  # nobody has seen classes 3-5: no opinion
+
+
+# -- the round loop, scripted ------------------------------------------------------------------------
+def test_bad_predictions_are_excluded_by_name_and_groups_get_their_own_lines(tmp_path, caplog):
+    def wrong_shape(r):
+        return np.full((PROXY, CLASSES - 1), 1 / 5, np.float32)
+
+    def nan(r):
+        p = uniform(r)
+        p[0, 0] = np.nan
+        return p
+
+    grid = ScriptedGrid({
+        1: factory("small-a", plus(0.01), "cnn-small", uniform), 2: factory("small-b", plus(0.01), "cnn-small", uniform),
+        3: factory("small-shape", plus(0.01), "cnn-small", wrong_shape),
+        4: factory("medium-a", plus(0.01), "cnn-medium", uniform), 5: factory("medium-nan", plus(0.01), "cnn-medium", nan),
+    })
+    fed = Federation(grid, _config(tmp_path, secure_aggregation=False, distill="after"), flwr_run_id="21")
+    with caplog.at_level(logging.WARNING, logger="fedforge"):
+        fed.run()
+    registry = Registry.at(tmp_path / "registry")
+    (round1,) = registry.rounds("run-21")
+    assert round1.status == "completed"
+    assert set(round1.failures) == {"small-shape", "medium-nan"}
+    assert "predictions of shape" in round1.failures["small-shape"] and "NaN" in round1.failures["medium-nan"]
+    assert "factory small-shape failed and is left out" in caplog.text and "factory medium-nan failed" in caplog.text
+    assert sorted(round1.participants) == ["medium-a", "small-a", "small-b"]
+    versions = registry.versions("run-21")
+    for arch in ("cnn-small", "cnn-medium"):
+        line = [v for v in versions if v.architecture == arch]
+        assert [v.kind for v in line][0] == "initial" and line[1].kind in ("fedavg", "distilled")
+        assert line[1].parent_id == line[0].id  # each architecture is its own lineage
+        assert f"{arch}/distill-kept" in round1.metrics
+        assert (line[1].kind == "distilled") == bool(round1.metrics[f"{arch}/distill-kept"])
+
+
+def test_distillation_only_rounds_send_no_weights(tmp_path):
+    seen = []
+
+    def spy(w):
+        seen.append(len(w))
+        return w
+
+    grid = ScriptedGrid({i: factory(f"f{i}", spy, "", uniform) for i in (1, 2)})
+    fed = Federation(grid, _config(tmp_path, secure_aggregation=False, distill="only"), flwr_run_id="22")
+    fed.run()
+    assert seen == []  # send-weights=false: the factories answered with predictions only
+    (round1,) = Registry.at(tmp_path / "registry").rounds("run-22")
+    assert round1.status == "completed" and round1.metrics["uplink-bytes-per-factory"] == PROXY * CLASSES * 4 + CLASSES * 8
+
+
+# -- secure distillation with real agents -----------------------------------------------------------------
+@pytest.fixture
+def agents(tmp_path):
+    """Four real edge agents on loopback: three train cnn-small, one cnn-medium (a group of one)."""
+    started = []
+    for i, arch in enumerate(["cnn-small", "cnn-small", "cnn-small", "cnn-medium"]):
+        cfg = AgentConfig(factory_id=f"factory-{i}", listen=f"127.0.0.1:{free_port()}", factory_index=i, num_factories=4, train_size=48,
+                          architecture=arch, state_dir=str(tmp_path / f"factory-{i}"))
+        started.append(serve(cfg))
+    yield started
+    for agent in started:
+        agent.stop(0)
+
+
+def _clientapp_handler(agent, recorded: dict[str, list]):
+    """What a SuperNode does with a message: run the FedForge ClientApp handler, pointed at the agent."""
+    context = Context(run_id=1, node_id=0, node_config={"agent-address": agent.server_address, "factory-id": agent.trainer.cfg.factory_id},
+                      state=RecordDict(), run_config={"agent-timeout": 120.0})
+    handlers = {"train": client_app.train, "query.describe": client_app.describe, "query.proxy": client_app.proxy,
+                **{f"query.secagg_{s}": client_app._secagg_stage(s) for s in ("advertise", "share", "unmask")}}
+
+    def handle(msg: Message) -> Message | None:
+        if msg.metadata.message_type == "train" and agent.trainer.cfg.factory_id in recorded.get("drop", []):
+            return None  # this factory drops out of the prediction phase
+        reply = handlers[msg.metadata.message_type](msg, context)
+        for record in reply.content.array_records.values():
+            recorded["server-saw"].extend((name, arr.numpy()) for name, arr in record.items())
+        return reply
+    return handle
+
+
+def test_secure_distillation_server_sees_only_sums_and_survives_a_dropout(tmp_path, agents, monkeypatch):
+    predictions: dict[str, np.ndarray] = {}
+    for agent in agents:
+        agent.server_address = agent.trainer.cfg.listen
+        original = agent.trainer.predict
+
+        def recording(weights, config, proxy, temperature, _orig=original, _id=agent.trainer.cfg.factory_id):
+            out = _orig(weights, config, proxy, temperature)
+            predictions[_id] = out
+            return out
+        agent.trainer.predict = recording
+    unmasked = []
+    original_result = SecureSum.result
+    monkeypatch.setattr(SecureSum, "result", lambda self, answers: unmasked.append(original_result(self, answers)) or unmasked[-1])
+
+    recorded: dict[str, list] = {"server-saw": [], "drop": ["factory-2"]}
+    grid = ScriptedGrid({i + 1: _clientapp_handler(agent, recorded) for i, agent in enumerate(agents)})
+    fed = Federation(grid, _config(tmp_path, distill="after", secagg_threshold=2, local_epochs=1, round_timeout=20), flwr_run_id="23")
+    fed.run()
+
+    registry = Registry.at(tmp_path / "registry")
+    (round1,) = registry.rounds("run-23")
+    assert round1.status == "completed", round1.metrics
+    assert "factory-2" in round1.failures  # dropped out of the prediction phase; the round went on
+    assert sorted(round1.participants) == ["factory-0", "factory-1", "factory-3"]
+    # Everything the server received from the train phase was masked uint64; the proxy went out once, as images.
+    assert {name for name, _ in recorded["server-saw"]} == {"masked"}
+    masked = [a for name, a in recorded["server-saw"] if name == "masked"]
+    assert all(a.dtype == np.uint64 for a in masked)
+    # The only vector unmasked is the sum; its prediction part is the mean of the survivors' predictions.
+    assert len(unmasked) == 1
+    survivors = [predictions[f] for f in ("factory-0", "factory-1", "factory-3")]
+    width = PROXY * CLASSES + CLASSES
+    decoded = quantize.decode(unmasked[0], fed.cfg.secagg_scale)[-width:]
+    assert np.allclose(decoded[-CLASSES:], sum(c for _, c in survivors))
+    assert np.allclose(decoded[:-CLASSES].reshape(PROXY, CLASSES), sum(c[None, :] * q for q, c in survivors), atol=1e-4)
+    for q, c in survivors:  # no masked input decodes to a factory's own contribution
+        for m in masked:
+            assert not np.allclose(quantize.decode(m, fed.cfg.secagg_scale)[-CLASSES:], c, atol=1e-3)
+    # cnn-medium is a group of one: it contributed predictions only, so its line changed only by distillation.
+    medium = [v for v in registry.versions("run-23") if v.architecture == "cnn-medium"]
+    assert [v.kind for v in medium] in (["initial"], ["initial", "distilled"])
+    small = [v for v in registry.versions("run-23") if v.architecture == "cnn-small"]
+    assert [v.kind for v in small][0] == "initial" and small[1].kind in ("fedavg", "distilled")
+
+
+# -- end to end ---------------------------------------------------------------------------------------------
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_demo_distills_across_two_architectures(tmp_path):
+    """`fedforge demo --distill --architectures cnn-small,cnn-medium` over real processes; each group improves.
+
+    Two factories, one per architecture, in plain rounds (a group of one sends predictions only under
+    secure aggregation, see the test above): each group's line gets a version per round, and the
+    ensemble of both is distilled into each.
+    """
+    summary_path = tmp_path / "summary.json"
+    proc = subprocess.run(fedforge_command() + [
+        "demo", "--factories", "2", "--rounds", "2", "--local-epochs", "3", "--train-size", "300", "--distill", "--no-secure",
+        "--architectures", "cnn-small,cnn-medium", "--min-factories", "2", "--set", "proxy-size=200", "--set", "distill-epochs=10",
+        "--workdir", str(tmp_path / "demo"), "--json", str(summary_path),
+    ], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(summary_path.read_text())
+    assert summary["status"] == "finished" and [r["status"] for r in summary["rounds"]] == ["completed", "completed"]
+    groups = summary["architectures"]
+    assert set(groups) == {"cnn-small", "cnn-medium"}
+    for arch, g in groups.items():
+        assert g["versions"] == 3, (arch, g)
+        assert g["final_accuracy"] > g["initial_accuracy"] + 0.05, (arch, g)
+    lines = {arch: [v for v in summary["versions"] if v["architecture"] == arch] for arch in groups}
+    for line in lines.values():  # each architecture is its own lineage
+        assert [v["parent"] for v in line] == [None, line[0]["id"], line[1]["id"]]
+    assert "cnn-medium" in proc.stderr
