@@ -296,7 +296,8 @@ class Federation:
         """Learn the architecture of nodes seen for the first time; returns the nodes that can take part."""
         new = [n for n in node_ids if n not in self.architecture_of_node]
         if new:
-            replies = self._exchange(new, "query.describe", server_round, lambda n: RecordDict(), self.cfg.secagg_timeout, failures)
+            timeout = min(self.cfg.secagg_timeout, self.cfg.round_timeout)  # a light query: never wait longer than a round would
+            replies = self._exchange(new, "query.describe", server_round, lambda n: RecordDict(), timeout, failures)
             for node, reply in replies.items():
                 arch = str(reply.content["info"].get("architecture", "")) or self.cfg.architecture
                 try:

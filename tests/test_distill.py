@@ -57,6 +57,27 @@ def test_proxy_set_travels_by_content_hash(tmp_path):
         ProxySet(np.full((2, 1, 4, 4), np.nan, dtype=np.float32))
 
 
+def test_operator_proxy_folder_skips_unreadable_images_by_name(tmp_path):
+    from PIL import Image
+
+    from common.data.folder import DatasetError, load_unlabelled_folder
+    from server.distillation import load_proxy
+
+    (tmp_path / "line-3").mkdir()
+    for i in range(3):
+        Image.fromarray(np.full((80, 80), 40 * i, np.uint8)).save(tmp_path / "line-3" / f"part-{i}.png")
+    good = (tmp_path / "line-3" / "part-0.png").read_bytes()
+    (tmp_path / "truncated.png").write_bytes(good[: len(good) // 2])
+    images, report = load_unlabelled_folder(tmp_path)
+    assert images.shape == (3, 1, 64, 64) and images.dtype == np.float32
+    assert [p for p, _ in report.skipped] == [str(tmp_path / "truncated.png")]
+    proxy = load_proxy(str(tmp_path), spec=None, size=0)  # the folder wins over the generator
+    assert len(proxy) == 3 and proxy.sha256 == ProxySet(images).sha256
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError, match="no readable images"):
+        load_unlabelled_folder(tmp_path / "empty")
+
+
 def test_predictions_are_checked_by_shape_and_value():
     good = np.full((3, 6), 1 / 6)
     assert check_predictions(good, 3, 6, "factory a").shape == (3, 6)
@@ -253,7 +274,7 @@ def test_demo_distills_across_two_architectures(tmp_path):
     summary_path = tmp_path / "summary.json"
     proc = subprocess.run(fedforge_command() + [
         "demo", "--factories", "2", "--rounds", "2", "--local-epochs", "3", "--train-size", "300", "--distill", "--no-secure",
-        "--architectures", "cnn-small,cnn-medium", "--min-factories", "2", "--set", "proxy-size=200", "--set", "distill-epochs=10",
+        "--architectures", "cnn-small,cnn-medium", "--min-factories", "2", "--set", "proxy-size=120", "--set", "distill-epochs=5",
         "--workdir", str(tmp_path / "demo"), "--json", str(summary_path),
     ], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -60,7 +60,7 @@ def test_killed_agent_is_left_out_and_the_next_round_proceeds(tmp_path, no_lefto
     with ProcessSet(root / "logs") as procs:
         fed = LocalFederation(root, procs, num_factories=3, train_size=300)
         fed.start(separate_agents=frozenset({2}))
-        flwr_run_id = fed.submit(fed.run_config(3, **{"min-factories": 2, "round-timeout": 120.0, "local-epochs": 1}))
+        flwr_run_id = fed.submit(fed.run_config(2, **{"min-factories": 2, "round-timeout": 120.0, "local-epochs": 1}))
         registry, run_id = Registry.at(fed.registry_dir), f"run-{flwr_run_id}"
 
         deadline = time.monotonic() + 300
@@ -74,13 +74,12 @@ def test_killed_agent_is_left_out_and_the_next_round_proceeds(tmp_path, no_lefto
 
     rounds = registry.rounds(run_id)
     assert run.status == "finished", run.error
-    assert [r.status for r in rounds] == ["completed"] * 3
+    assert [r.status for r in rounds] == ["completed"] * 2
     assert rounds[0].participants == ["factory-0", "factory-1", "factory-2"]
-    for r in rounds[1:]:
-        assert r.participants == ["factory-0", "factory-1"]
-        assert list(r.failures) == ["factory-2"], r.failures
+    assert rounds[1].participants == ["factory-0", "factory-1"]
+    assert list(rounds[1].failures) == ["factory-2"], rounds[1].failures
     log = (fed.registry_dir / "server.log").read_text()
-    assert "round 2: factory factory-2 failed" in log and "round 3: factory factory-2 failed" in log
+    assert "round 2: factory factory-2 failed" in log
 
 
 def test_demo_with_dp_and_ddp(tmp_path, no_leftover_processes):
