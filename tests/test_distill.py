@@ -289,3 +289,14 @@ def test_demo_distills_across_two_architectures(tmp_path):
     for line in lines.values():  # each architecture is its own lineage
         assert [v["parent"] for v in line] == [None, line[0]["id"], line[1]["id"]]
     assert "cnn-medium" in proc.stderr
+    # The dashboard's run page shows each architecture's accuracy and the distillation decision per round.
+    from fastapi.testclient import TestClient
+
+    from server.dashboard.app import DashboardSettings, create_app
+
+    with TestClient(create_app(DashboardSettings(tmp_path / "demo" / "central" / "registry", "admin-token", ""))) as client:
+        page = client.get(f"/runs/{summary['run_id']}")
+    assert page.status_code == 200
+    groups_cells = page.text.count('<td class="groups">')
+    assert groups_cells == 2 and page.text.count("cnn-medium 0.") == 2 and page.text.count("cnn-small 0.") == 2
+    assert "distilled" in page.text and ("kept" in page.text or "dropped" in page.text)
