@@ -184,11 +184,6 @@ class Federation:
             self.proxy = load_proxy(cfg.proxy_data, cfg.spec, cfg.proxy_size)
             self.validation = load_validation(cfg.validation_data, cfg.test_data, cfg.spec, cfg.validation_size)
 
-    @property
-    def model(self) -> torch.nn.Module:
-        """The default architecture's model object (tests and tools evaluate with it)."""
-        return self._model(self.cfg.architecture)
-
     # ---------------------------------------------------------------------------------------
     def run(self) -> None:
         cfg = self.cfg
