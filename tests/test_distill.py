@@ -262,6 +262,24 @@ def test_secure_distillation_server_sees_only_sums_and_survives_a_dropout(tmp_pa
     assert [v.kind for v in small][0] == "initial" and small[1].kind in ("fedavg", "distilled")
 
 
+def test_secure_distillation_only_rounds_send_predictions_and_no_weights(tmp_path, agents):
+    for agent in agents:
+        agent.server_address = agent.trainer.cfg.listen
+    recorded: dict[str, list] = {"server-saw": []}
+    grid = ScriptedGrid({i + 1: _clientapp_handler(agent, recorded) for i, agent in enumerate(agents)})
+    fed = Federation(grid, _config(tmp_path, distill="only", secagg_threshold=2, local_epochs=1, round_timeout=60), flwr_run_id="24")
+    fed.run()
+    (round1,) = Registry.at(tmp_path / "registry").rounds("run-24")
+    assert round1.status in ("completed", "aborted") and not round1.failures, round1.failures  # aborted: both distillations dropped
+    masked = [a for name, a in recorded["server-saw"] if name == "masked"]
+    assert len(masked) == 4 and all(len(m) == PROXY * CLASSES + CLASSES for m in masked)  # no weight slots at all
+    versions = Registry.at(tmp_path / "registry").versions("run-24")
+    assert {v.architecture for v in versions} == {"cnn-small", "cnn-medium"}
+    assert all(v.kind in ("initial", "distilled") for v in versions)  # only distillation changes a model here
+    for arch in ("cnn-small", "cnn-medium"):
+        assert f"{arch}/distill-kept" in round1.metrics  # distilled (kept or not) into every group
+
+
 # -- end to end ---------------------------------------------------------------------------------------------
 @pytest.mark.usefixtures("no_leftover_processes")
 def test_demo_distills_across_two_architectures(tmp_path):
