@@ -21,11 +21,11 @@ from google.protobuf import json_format
 from client.config import AgentConfig
 from client.dp import DPConfigError
 from client.privacy import BudgetExhausted
-from client.trainer import FactoryTrainer
 from client.secagg import SecAggProtocolError, SecAggSessions
+from client.trainer import FactoryTrainer
 from client.workers import WorkerGroupError
-from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
 from common.distill import ProxyCache, ProxySet, ProxySetError
+from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
 from common.secagg.layout import SecureLayout
 from common.secagg.wire import from_values, to_values
 from common.tensors import UpdateError, from_tensor, from_tensors, to_tensor, to_tensors

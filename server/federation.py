@@ -33,8 +33,8 @@ from common.data.datasets import ImageDataset
 from common.data.folder import load_image_folder
 from common.distill import DistillConfig, ProxySet, check_predictions, ensemble_of
 from common.models import build_model
-from common.secagg.primitives import session_id
 from common.secagg.layout import SecureLayout, apply_group_sum
+from common.secagg.primitives import session_id
 from common.tensors import UpdateError, check_like
 from common.training import evaluate, set_torch_threads, torch_threads
 from server.aggregate import FactoryUpdate, fedavg, validate_update
