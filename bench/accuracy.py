@@ -14,22 +14,16 @@ import argparse
 import json
 import statistics
 import sys
-from collections import OrderedDict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
 from common.data import datasets  # noqa: E402
-from common.models import build_model  # noqa: E402
+from common.models import build_model, load_weights, weights_of  # noqa: E402
 from common.training import TrainConfig, evaluate, set_torch_threads, train  # noqa: E402
 from server.aggregate import FactoryUpdate, fedavg  # noqa: E402
-
-
-def state(model) -> "OrderedDict[str, np.ndarray]":
-    return OrderedDict((k, v.detach().numpy().copy()) for k, v in model.state_dict().items())
 
 
 def run(seed: int, factories: int, rounds: int, local_epochs: int, alpha: float, arch: str, train_size: int) -> dict[str, float]:
@@ -43,16 +37,16 @@ def run(seed: int, factories: int, rounds: int, local_epochs: int, alpha: float,
     central_acc = evaluate(central, test).accuracy
 
     model = build_model(arch, 6, seed=seed)
-    weights = state(model)
+    weights = weights_of(model)
     per_round = []
     for r in range(rounds):
         updates = []
         for i, part in enumerate(parts):
-            model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
+            load_weights(model, weights)
             train(model, part, TrainConfig(epochs=local_epochs, batch_size=16, seed=seed * 1000 + r * 10 + i))
-            updates.append(FactoryUpdate(f"f{i}", i, state(model), len(part)))
+            updates.append(FactoryUpdate(f"f{i}", i, weights_of(model), len(part)))
         weights = fedavg(updates, like=weights)
-        model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
+        load_weights(model, weights)
         per_round.append(evaluate(model, test).accuracy)
     return {"centralized": central_acc, "fedavg": per_round[-1], "fedavg_per_round": per_round}
 

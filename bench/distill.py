@@ -18,53 +18,42 @@ import json
 import statistics
 import sys
 import time
-from collections import OrderedDict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
 from common.data import datasets  # noqa: E402
 from common.distill import DistillConfig, ProxySet, balanced_predictions, distill, ensemble_of, predict_proxy  # noqa: E402
-from common.models import build_model  # noqa: E402
+from common.models import build_model, load_weights, weights_of  # noqa: E402
 from common.training import TrainConfig, evaluate, set_torch_threads, train  # noqa: E402
 from server.aggregate import FactoryUpdate, fedavg  # noqa: E402
 
 
-def state(model: torch.nn.Module) -> "OrderedDict[str, np.ndarray]":
-    return OrderedDict((k, v.detach().numpy().copy()) for k, v in model.state_dict().items())
-
-
-def load(model: torch.nn.Module, weights: "OrderedDict[str, np.ndarray]") -> torch.nn.Module:
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
-    return model
-
-
 def federated(parts, test, val, proxy, a, seed: int, with_distill: bool) -> dict:
     model = build_model(a.architecture, 6, seed=seed)
-    weights = state(model)
+    weights = weights_of(model)
     accuracies, accepted = [], 0
     for r in range(a.rounds):
         updates, weighted_sum, count_sum = [], 0.0, 0.0
         for i, part in enumerate(parts):
-            load(model, weights)
+            load_weights(model, weights)
             train(model, part, TrainConfig(epochs=a.local_epochs, batch_size=16, seed=seed * 1000 + r * 10 + i))
-            updates.append(FactoryUpdate(f"f{i}", i, state(model), len(part)))
+            updates.append(FactoryUpdate(f"f{i}", i, weights_of(model), len(part)))
             if with_distill:  # what each factory puts into the secure sum
                 counts = np.bincount(part.labels, minlength=6).astype(np.float64)
                 weighted_sum = weighted_sum + counts * balanced_predictions(predict_proxy(model, proxy, a.temperature), counts)
                 count_sum = count_sum + counts
         weights = fedavg(updates, like=weights)
         if with_distill:
-            before = evaluate(load(model, weights), val).accuracy
+            before = evaluate(load_weights(model, weights), val).accuracy
             teacher = ensemble_of(weighted_sum, count_sum)
             distilled, _ = distill(model, proxy, teacher, DistillConfig(temperature=a.temperature, epochs=a.distill_epochs, seed=seed * 100 + r))
-            after = evaluate(load(model, distilled), val).accuracy
+            after = evaluate(load_weights(model, distilled), val).accuracy
             if after >= before:
                 weights, accepted = distilled, accepted + 1
-        accuracies.append(evaluate(load(model, weights), test).accuracy)
+        accuracies.append(evaluate(load_weights(model, weights), test).accuracy)
     return {"accuracy": accuracies[-1], "per_round": accuracies, "distillations_kept": accepted}
 
 
@@ -110,7 +99,7 @@ def main() -> None:
     c = statistics.mean(r["centralized"] for r in runs)
     f = statistics.mean(r["fedavg"]["accuracy"] for r in runs)
     d = statistics.mean(r["fedavg+distill"]["accuracy"] for r in runs)
-    params = sum(v.size for v in state(build_model(a.architecture, 6)).values())
+    params = sum(v.size for v in weights_of(build_model(a.architecture, 6)).values())
     weight_up, pred_up = (params + 1) * 8, (a.proxy_size * 6 + 6) * 8
     def row(name: str, values: list[float]) -> str:
         return f"| {name} | " + " | ".join(f"{v:.3f}" for v in values) + f" | **{statistics.mean(values):.3f}** |"

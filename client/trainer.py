@@ -25,7 +25,7 @@ from common.data import datasets
 from common.data.datasets import ImageDataset
 from common.data.folder import FolderReport, load_image_folder
 from common.distill import ProxySet, balanced_predictions, predict_proxy
-from common.models import build_model
+from common.models import build_model, weights_of
 from common.tensors import UpdateError, check_like
 from common.training import TrainConfig, TrainResult, evaluate, set_torch_threads, train
 
@@ -120,7 +120,7 @@ class FactoryTrainer:
                 result = train(model, self.train_data, cfg)
             else:
                 result = train_private(model, self.train_data, cfg, dp_job["noise_multiplier"], dp_job["max_grad_norm"], dp_job["grad_sample_mode"])
-            new = OrderedDict((k, v.detach().numpy().copy()) for k, v in model.state_dict().items())
+            new = weights_of(model)
         seconds = time.perf_counter() - t0
         check_like(weights, new, source=f"factory {self.cfg.factory_id} local training")
         metrics = {"train-loss": result.loss, "train-accuracy": result.accuracy, "train-seconds": seconds, "steps": float(result.steps), **privacy}

@@ -144,12 +144,11 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, cfg: Agent
 
 def run_job(job: Job, train_data: Any, parallelism: str, rank: int, world_size: int, backend: str) -> dict[str, Any]:
     from client.parallel import apply_activation_checkpointing, apply_ddp, apply_fsdp, full_state_dict
-    from common.models import build_model
+    from common.models import build_model, load_weights
     from common.training import TrainConfig, train
 
     device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
-    model = build_model(job.architecture, num_classes=len(train_data.classes))
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in job.weights.items()})
+    model = load_weights(build_model(job.architecture, num_classes=len(train_data.classes)), job.weights)
     model.to(device)
     cfg = TrainConfig(**job.train)
     if cfg.activation_checkpointing:

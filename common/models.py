@@ -8,8 +8,11 @@ does not change for them.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -83,6 +86,17 @@ def build_model(architecture: str, num_classes: int, seed: int | None = None) ->
             torch.manual_seed(seed)
             return DefectCNN(ARCHITECTURES[architecture], num_classes)
     return DefectCNN(ARCHITECTURES[architecture], num_classes)
+
+
+def weights_of(model: nn.Module) -> OrderedDict[str, np.ndarray]:
+    """A copy of the model's parameters and buffers as numpy arrays: what travels between sites and what the registry stores."""
+    return OrderedDict((k, v.detach().numpy().copy()) for k, v in model.state_dict().items())
+
+
+def load_weights(model: nn.Module, weights: Mapping[str, np.ndarray]) -> nn.Module:
+    """Load numpy weights (as `weights_of` returns them) into ``model``; returns the model."""
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
+    return model
 
 
 def parameter_count(model: nn.Module) -> int:

@@ -13,6 +13,7 @@ from common.data import datasets
 from common.data.datasets import ImageDataset
 from common.data.folder import load_image_folder, load_unlabelled_folder
 from common.distill import DistillConfig, DistillReport, ProxySet, distill
+from common.models import load_weights
 from common.training import evaluate
 
 log = logging.getLogger("fedforge.server.distill")
@@ -58,8 +59,7 @@ class DistillOutcome:
 def distil_into(model: torch.nn.Module, weights: "OrderedDict[str, np.ndarray]", proxy: ProxySet, ensemble: np.ndarray,
                 validation: ImageDataset, cfg: DistillConfig) -> DistillOutcome:
     """Distil the ensemble into ``weights``; keep the result only if validation accuracy does not drop."""
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
-    before = evaluate(model, validation).accuracy
+    before = evaluate(load_weights(model, weights), validation).accuracy
     distilled, report = distill(model, proxy, ensemble, cfg)
     after = evaluate(model, validation).accuracy
     kept = after >= before

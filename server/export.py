@@ -15,7 +15,7 @@ import torch
 
 from common.data import datasets
 from common.data.datasets import ImageDataset
-from common.models import build_model
+from common.models import build_model, load_weights
 from common.training import evaluate
 from server.registry.service import Registry
 
@@ -40,7 +40,7 @@ def export_version(registry: Registry, version_id: str, out_dir: str | Path, qua
     if version.status != "approved":
         raise PermissionError(f"version {version_id} is {version.status}; only approved versions are exported for deployment")
     model = build_model(version.architecture, num_classes=6)
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in registry.load_weights(version_id).items()})
+    load_weights(model, registry.load_weights(version_id))
     model.eval()
     test = test_data or datasets.test_dataset(datasets.SyntheticSpec(), 600)
     out = Path(out_dir)

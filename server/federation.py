@@ -32,7 +32,7 @@ from common.data import datasets
 from common.data.datasets import ImageDataset
 from common.data.folder import load_image_folder
 from common.distill import DistillConfig, ProxySet, check_predictions, ensemble_of
-from common.models import build_model
+from common.models import build_model, load_weights, weights_of
 from common.secagg.layout import SecureLayout, apply_group_sum
 from common.secagg.primitives import session_id
 from common.tensors import UpdateError, check_like
@@ -130,14 +130,6 @@ def _test_set(cfg: FederationConfig) -> ImageDataset:
         data, _ = load_image_folder(cfg.test_data)
         return data
     return datasets.test_dataset(cfg.spec, cfg.test_size)
-
-
-def _to_state(weights: "OrderedDict[str, np.ndarray]") -> dict[str, torch.Tensor]:
-    return {k: torch.from_numpy(v) for k, v in weights.items()}
-
-
-def _state_of(model: torch.nn.Module) -> "OrderedDict[str, np.ndarray]":
-    return OrderedDict((k, v.detach().numpy().copy()) for k, v in model.state_dict().items())
 
 
 def _arrays(weights: "OrderedDict[str, np.ndarray]") -> ArrayRecord:
@@ -277,7 +269,7 @@ class Federation:
                 head = max(candidates, key=lambda v: (v.server_round, v.created_at))
                 self.lines[arch] = Line(arch, self.registry.load_weights(head.id), head)  # sha256-verified
                 return self.lines[arch]
-        weights = _state_of(build_model(arch, num_classes=NUM_CLASSES, seed=self.cfg.seed))
+        weights = weights_of(build_model(arch, num_classes=NUM_CLASSES, seed=self.cfg.seed))
         version = self._record_version(self.resumed_round, None, "initial", arch, weights, self._evaluate(arch, weights), [])
         self.lines[arch] = Line(arch, weights, version)
         return self.lines[arch]
@@ -535,9 +527,7 @@ class Federation:
         return self.factory_of_node.get(node_id, f"node-{node_id}")
 
     def _evaluate(self, arch: str, weights: "OrderedDict[str, np.ndarray]") -> dict[str, float]:
-        model = self._model(arch)
-        model.load_state_dict(_to_state(weights))
-        result = evaluate(model, self.test_data)
+        result = evaluate(load_weights(self._model(arch), weights), self.test_data)
         return {"accuracy": result.accuracy, "loss": result.loss}
 
     def _record_version(self, server_round: int, parent_id: str | None, kind: str, arch: str, weights: Any, metrics: dict[str, float],
