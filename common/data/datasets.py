@@ -70,20 +70,22 @@ def _all_profiles(spec: SyntheticSpec) -> list[synth.FactoryProfile]:
     return [synth.factory_profile(spec.seed, i) for i in range(spec.num_factories)]
 
 
-def test_dataset(spec: SyntheticSpec, size: int = 1200) -> ImageDataset:
-    """A balanced held-out set drawn from every factory's appearance (never used for training)."""
-    rng = synth.rng_for(spec.seed, 4)
+def _balanced_dataset(spec: SyntheticSpec, size: int, stream: int) -> ImageDataset:
+    """``size`` labelled images, classes equally often, drawn from every factory's appearance."""
+    rng = synth.rng_for(spec.seed, stream)
     labels = rng.permutation(np.arange(size) % len(synth.CLASSES))
     images = synth.render_many(rng, labels, _all_profiles(spec), spec.image_size)
     return ImageDataset(images, labels.astype(np.int64))
+
+
+def test_dataset(spec: SyntheticSpec, size: int = 1200) -> ImageDataset:
+    """A balanced held-out set drawn from every factory's appearance (never used for training)."""
+    return _balanced_dataset(spec, size, stream=4)
 
 
 def validation_dataset(spec: SyntheticSpec, size: int = 600) -> ImageDataset:
     """A balanced labelled set, disjoint from the test set, for the server's model-selection decisions."""
-    rng = synth.rng_for(spec.seed, 6)
-    labels = rng.permutation(np.arange(size) % len(synth.CLASSES))
-    images = synth.render_many(rng, labels, _all_profiles(spec), spec.image_size)
-    return ImageDataset(images, labels.astype(np.int64))
+    return _balanced_dataset(spec, size, stream=6)
 
 
 def proxy_images(spec: SyntheticSpec, size: int = 1000) -> np.ndarray:

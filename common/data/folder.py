@@ -37,6 +37,16 @@ def _read_image(path: Path, size: int) -> np.ndarray:
     return np.asarray(grey, dtype=np.float32) / 255.0
 
 
+def _read_or_skip(path: Path, size: int, report: FolderReport) -> np.ndarray | None:
+    """The image, or None after noting in ``report`` (and the log) why it could not be read."""
+    try:
+        return _read_image(path, size)
+    except Exception as exc:  # PIL raises several types for bad files
+        report.skipped.append((str(path), f"{type(exc).__name__}: {exc}"))
+        log.warning("skipping unreadable image %s: %s", path, exc)
+        return None
+
+
 def load_image_folder(
     root: str | Path, size: int = DEFAULT_SIZE, classes: tuple[str, ...] | None = None
 ) -> tuple[ImageDataset, FolderReport]:
@@ -62,12 +72,9 @@ def load_image_folder(
         for path in sorted(class_dir.iterdir()):
             if path.suffix.lower() not in IMAGE_SUFFIXES:
                 continue
-            try:
-                images.append(_read_image(path, size))
+            if (image := _read_or_skip(path, size, report)) is not None:
+                images.append(image)
                 labels.append(label)
-            except Exception as exc:  # PIL raises several types for bad files
-                report.skipped.append((str(path), f"{type(exc).__name__}: {exc}"))
-                log.warning("skipping unreadable image %s: %s", path, exc)
     report.loaded = len(images)
     if not images:
         raise DatasetError(f"data folder {root} holds no readable images (expected {root}/<class>/<image>.png)")
@@ -91,11 +98,8 @@ def load_unlabelled_folder(root: str | Path, size: int = DEFAULT_SIZE) -> tuple[
         raise DatasetError(f"proxy folder {root} does not exist or is not a directory")
     report, images = FolderReport(), []
     for path in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES):
-        try:
-            images.append(_read_image(path, size))
-        except Exception as exc:  # PIL raises several types for bad files
-            report.skipped.append((str(path), f"{type(exc).__name__}: {exc}"))
-            log.warning("skipping unreadable image %s: %s", path, exc)
+        if (image := _read_or_skip(path, size, report)) is not None:
+            images.append(image)
     if not images:
         raise DatasetError(f"proxy folder {root} holds no readable images")
     report.loaded = len(images)
