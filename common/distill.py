@@ -13,6 +13,7 @@ import logging
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -38,8 +39,9 @@ class ProxySet:
         if not np.isfinite(self.images).all():
             raise ProxySetError("the proxy set contains NaN or Inf pixels")
 
-    @property
+    @cached_property
     def sha256(self) -> str:
+        """Computed once: the server sends it with every distillation round's messages."""
         return content_hash(self.images)
 
     def __len__(self) -> int:

@@ -429,10 +429,12 @@ class Federation:
                              "groups": [a.encode() for a, _ in layout.groups], "group-sizes": [size for _, size in layout.groups],
                              "predictions": layout.predictions, "classes": layout.classes}
 
+            arrays = {arch: _arrays(line.weights) for arch, line in self.lines.items()}  # once per group, not per factory
+
             def train_message(node: int) -> RecordDict:
                 arch = self.architecture_of_node[node]
                 return RecordDict({
-                    "arrays": _arrays(self.lines[arch].weights),
+                    "arrays": arrays[arch],
                     "config": self._round_config(server_round, arch, distilling, sends_weights[node]),
                     "secagg": ConfigRecord({**secagg_common, "from": list(routed[slot_of[node]]), "boxes": list(routed[slot_of[node]].values())}),
                 })
