@@ -201,7 +201,7 @@ def agents(tmp_path):
 
 def _clientapp_handler(agent, recorded: dict[str, list]):
     """What a SuperNode does with a message: run the FedForge ClientApp handler, pointed at the agent."""
-    context = Context(run_id=1, node_id=0, node_config={"agent-address": agent.server_address, "factory-id": agent.trainer.cfg.factory_id},
+    context = Context(run_id=1, node_id=0, node_config={"agent-address": agent.trainer.cfg.listen, "factory-id": agent.trainer.cfg.factory_id},
                       state=RecordDict(), run_config={"agent-timeout": 120.0})
     handlers = {"train": client_app.train, "query.describe": client_app.describe, "query.proxy": client_app.proxy,
                 **{f"query.secagg_{s}": client_app._secagg_stage(s) for s in ("advertise", "share", "unmask")}}
@@ -217,9 +217,8 @@ def _clientapp_handler(agent, recorded: dict[str, list]):
 
 
 def test_secure_distillation_server_sees_only_sums_and_survives_a_dropout(tmp_path, agents, monkeypatch):
-    predictions: dict[str, np.ndarray] = {}
+    predictions: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # factory -> (balanced predictions, class counts)
     for agent in agents:
-        agent.server_address = agent.trainer.cfg.listen
         original = agent.trainer.predict
 
         def recording(weights, config, proxy, temperature, _orig=original, _id=agent.trainer.cfg.factory_id):
@@ -263,8 +262,6 @@ def test_secure_distillation_server_sees_only_sums_and_survives_a_dropout(tmp_pa
 
 
 def test_secure_distillation_only_rounds_send_predictions_and_no_weights(tmp_path, agents):
-    for agent in agents:
-        agent.server_address = agent.trainer.cfg.listen
     recorded: dict[str, list] = {"server-saw": []}
     grid = ScriptedGrid({i + 1: _clientapp_handler(agent, recorded) for i, agent in enumerate(agents)})
     fed = Federation(grid, _config(tmp_path, distill="only", secagg_threshold=2, local_epochs=1, round_timeout=60), flwr_run_id="24")
