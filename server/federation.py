@@ -486,7 +486,7 @@ class Federation:
             result.group_weights[arch], result.group_examples[arch] = new, total_weight
         if ensemble is not None:
             weighted_sum, count_sum = ensemble
-            if count_sum.sum() > 0 and np.isfinite(weighted_sum).all():
+            if count_sum.sum() > 0:  # decoded fixed point is always finite
                 result.ensemble, result.ensemble_size = ensemble_of(weighted_sum, count_sum), len(participants)
         result.privacy = {self._name(node): {k: v for k, v in m.items() if k in PRIVACY_KEYS} for node, m in metrics.items() if "epsilon-spent" in m}
         per_factory = [m for m in metrics.values() if m]
