@@ -47,14 +47,19 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def round_seconds(secure: bool, rounds: int, local_epochs: int, factories: int) -> list[float]:
+def round_seconds(secure: bool, rounds: int, local_epochs: int, factories: int) -> tuple[list[float], dict[str, float]]:
+    """Each round's wall time, and the median over rounds 2..N of the time spent per message type."""
     with tempfile.TemporaryDirectory() as tmp, ProcessSet(Path(tmp) / "logs") as procs:
         fed = LocalFederation(Path(tmp), procs, num_factories=factories)
         fed.start()
         run_id = "run-" + fed.submit(fed.run_config(rounds, **{"local-epochs": local_epochs, "secure-aggregation": secure, "min-factories": factories}))
         registry = Registry.at(fed.registry_dir)
         wait_for_run(registry, run_id, procs=procs)
-        return [r.seconds for r in registry.rounds(run_id)]
+        done = registry.rounds(run_id)
+        later = done[1:] or done
+        kinds = {k for r in later for k in r.metrics if k.startswith("seconds/")}
+        phases = {k.removeprefix("seconds/"): statistics.median(r.metrics.get(k, 0.0) for r in later) for k in sorted(kinds)}
+        return [r.seconds for r in done], phases
 
 
 def main() -> None:
@@ -71,10 +76,13 @@ def main() -> None:
               f"{r['flower_GBps']:.2f} GB/s, speed-up {r['speedup']:.1f}x")
     out = {"mask": rows}
     if not a.skip_rounds:
-        plain = round_seconds(False, a.rounds, a.local_epochs, a.factories)
-        secure = round_seconds(True, a.rounds, a.local_epochs, a.factories)
+        plain, plain_phases = round_seconds(False, a.rounds, a.local_epochs, a.factories)
+        secure, secure_phases = round_seconds(True, a.rounds, a.local_epochs, a.factories)
         pm, sm = statistics.median(plain[1:] or plain), statistics.median(secure[1:] or secure)
-        out |= {"plain_round_seconds": plain, "secure_round_seconds": secure, "ratio": sm / pm}
+        out |= {"plain_round_seconds": plain, "secure_round_seconds": secure, "ratio": sm / pm,
+                "plain_phase_seconds": plain_phases, "secure_phase_seconds": secure_phases}
+        for name, phases in (("plain", plain_phases), ("secure", secure_phases)):
+            print(f"{name} round, median seconds per message phase: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
         print(f"round wall time ({a.factories} factories, {a.local_epochs} local epoch(s)): plain {pm:.2f} s, secure {sm:.2f} s, "
               f"ratio secure/plain {sm / pm:.2f}")
     if a.flower_legacy:

@@ -8,6 +8,7 @@ message goes over local gRPC to the warm edge agent; without it, the same servic
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from typing import Any
 
@@ -21,6 +22,7 @@ from common.secagg.wire import from_values, to_values
 from common.tensors import from_tensor, from_tensors, to_tensor, to_tensors
 
 app = ClientApp()
+log = logging.getLogger("fedforge.client")
 
 _GRPC_OPTIONS = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)]
 _in_process: Any = None
@@ -81,8 +83,38 @@ def _call(context: Context, rpc: str, request: Any) -> Any:
         raise AgentUnavailable(f"factory {factory}: edge agent at {address} failed {rpc}: {err.code().name}: {err.details()}") from err
 
 
+def _secagg(context: Context, stage: str, fields: dict[str, Any]) -> edge_pb2.SecAggReply:
+    request = edge_pb2.SecAggRequest(run_id=str(context.run_id), stage=stage, fields=to_values(fields))
+    return _call(context, "SecAgg", request)
+
+
+_AHEAD_STAGES = ("advertise", "share")
+
+
+def _next_session_stage(msg: Message, context: Context) -> dict[str, ConfigRecord]:
+    """Run the next round's key stage that rides on this message, if any (the server pipelines key exchange).
+
+    A failure here only means this factory is not in the next round's prepared session (the server then
+    exchanges keys afresh), so it is logged and never fails the message it rode on.
+    """
+    if "secagg-next" not in msg.content:
+        return {}
+    fields = dict(msg.content["secagg-next"])
+    stage = str(fields.pop("stage", ""))
+    if stage not in _AHEAD_STAGES:
+        log.warning("ignored a next-round secure-aggregation stage %r (expected one of %s)", stage, _AHEAD_STAGES)
+        return {}
+    try:
+        reply = _secagg(context, stage, fields)
+    except RuntimeError as exc:  # AgentUnavailable, or the in-process servicer's refusal
+        log.warning("next round's secure-aggregation %s failed; this factory joins the next round's own key exchange: %s", stage, exc)
+        return {}
+    return {"secagg-next": ConfigRecord(from_values(reply.fields))}
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
+    ahead = _next_session_stage(msg, context)
     tensors, config, server_round = _request_parts(msg)
     secagg = to_values(dict(msg.content["secagg"])) if "secagg" in msg.content else {}
     request = edge_pb2.TrainRequest(run_id=str(context.run_id), server_round=server_round, weights=tensors, config=config, secagg=secagg)
@@ -93,7 +125,7 @@ def train(msg: Message, context: Context) -> Message:
     else:
         arrays = ArrayRecord(OrderedDict((name, Array(arr)) for name, arr in from_tensors(reply.weights).items()))
         metrics = MetricRecord({**dict(reply.metrics), "num-examples": int(reply.num_examples)})
-    content = RecordDict({"arrays": arrays, "metrics": metrics, "info": ConfigRecord({"factory-id": reply.factory_id})})
+    content = RecordDict({"arrays": arrays, "metrics": metrics, "info": ConfigRecord({"factory-id": reply.factory_id}), **ahead})
     if reply.HasField("predictions"):
         content["predictions"] = ArrayRecord(OrderedDict(
             probabilities=Array(from_tensor(reply.predictions)), **{"class-counts": Array(from_tensor(reply.class_counts))}))
@@ -131,9 +163,9 @@ def evaluate(msg: Message, context: Context) -> Message:
 
 def _secagg_stage(stage: str):  # type: ignore[no-untyped-def]
     def handle(msg: Message, context: Context) -> Message:
-        request = edge_pb2.SecAggRequest(run_id=str(context.run_id), stage=stage, fields=to_values(dict(msg.content["secagg"])))
-        reply = _call(context, "SecAgg", request)
-        content = RecordDict({"secagg": ConfigRecord(from_values(reply.fields)), "info": ConfigRecord({"factory-id": reply.factory_id})})
+        reply = _secagg(context, stage, dict(msg.content["secagg"]))
+        content = RecordDict({"secagg": ConfigRecord(from_values(reply.fields)), "info": ConfigRecord({"factory-id": reply.factory_id}),
+                              **_next_session_stage(msg, context)})
         return Message(content=content, reply_to=msg)
     return handle
 

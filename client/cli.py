@@ -12,9 +12,11 @@ from pathlib import Path
 import click
 
 from client.config import AgentConfig
-from common.procs import ProcessSet
+from common.procs import ProcessSet, supernode_env
 
 log = logging.getLogger("fedforge.client")
+STABLE_SECONDS = 60.0  # a SuperNode that ran this long had connected: its next exit starts the backoff afresh
+MAX_RESTART_DELAY = 8  # seconds between SuperNode restarts, at most
 
 
 def agent_options(f):  # type: ignore[no-untyped-def]
@@ -112,16 +114,21 @@ def client(superlink: str, supernode_port: int, workdir: str, insecure: bool, ro
     stop = threading.Event()
     with ProcessSet(Path(workdir) / "logs") as procs:
         try:
-            restarts = 0
+            restarts = failures = 0
             while not stop.is_set():
-                proc = procs.start("supernode", cmd, env={"FLWR_TELEMETRY_ENABLED": "0"})
+                proc = procs.start("supernode", cmd, env=supernode_env())
+                started = time.monotonic()
                 log.info("factory %s: SuperNode pid %d dialling %s", cfg.factory_id, proc.pid, superlink)
                 while proc.poll() is None:
                     time.sleep(0.5)
                 restarts += 1
-                log.warning("factory %s: SuperNode exited with %s; restart %d in %ds", cfg.factory_id, proc.returncode, restarts, min(30, 2**restarts))
+                # After a crash the SuperLink refuses the same (authenticated) node until its heartbeat lapses
+                # (up to 60 s in Flower 1.42), so keep retrying every few seconds rather than backing off further.
+                failures = 0 if time.monotonic() - started > STABLE_SECONDS else failures + 1
+                delay = min(MAX_RESTART_DELAY, 2**failures)
+                log.warning("factory %s: SuperNode exited with %s; restart %d in %ds", cfg.factory_id, proc.returncode, restarts, delay)
                 procs.procs.remove(("supernode", proc))
-                time.sleep(min(30, 2**restarts))
+                time.sleep(delay)
         except KeyboardInterrupt:
             log.info("factory %s: stopping", cfg.factory_id)
         finally:

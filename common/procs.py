@@ -20,6 +20,18 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+SUPEREXEC_POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"  # Flower's SuperExec: seconds between asks for a new task
+
+
+def supernode_env() -> dict[str, str]:
+    """Environment for a SuperNode: no telemetry, and its SuperExec asks for new messages every 0.1 s.
+
+    Flower's default (1 s) adds half a second on average to every message a factory handles, and a
+    secure round handles two; an operator's own FLWR_SUPEREXEC_TASK_POLL_INTERVAL is kept.
+    """
+    return {"FLWR_TELEMETRY_ENABLED": "0", SUPEREXEC_POLL_ENV: os.environ.get(SUPEREXEC_POLL_ENV, "0.1")}
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     """Ask Linux to SIGTERM this child when its parent dies, even by SIGKILL (no orphans)."""
     with contextlib.suppress(Exception):

@@ -42,11 +42,12 @@ from server.distillation import MODES, distil_into, load_proxy, load_validation
 from server.groups import Line, RoundResult
 from server.messaging import push_and_collect
 from server.registry.service import NewVersion, Registry
-from server.secure_sum import SecAggAborted, SecureSum
+from server.secure_sum import KeyedSession, NextSession, SecAggAborted, SecureSum
 
 log = logging.getLogger("fedforge.server")
 
 NUM_CLASSES = 6  # the inspection task's classes (common.data.synth.CLASSES)
+AHEAD = "keyed-ahead"  # session-id use for a round's session keyed during the previous round (a fresh exchange uses its own id)
 PRIVACY_KEYS = ("epsilon-spent", "epsilon-remaining", "epsilon-max", "delta", "noise-multiplier")
 
 
@@ -172,6 +173,8 @@ class Federation:
         self.proxy: ProxySet | None = None
         self.validation: ImageDataset | None = None
         self.proxy_ready: set[int] = set()  # nodes holding this run's proxy set (it travels once per run)
+        self._pipelined: KeyedSession | None = None  # the next round's session, keyed during this round
+        self.phase_seconds: dict[str, float] = {}  # this round's wall time per message type (recorded as seconds/<type>)
         if cfg.distill != "off":
             self.proxy = load_proxy(cfg.proxy_data, cfg.spec, cfg.proxy_size)
             self.validation = load_validation(cfg.validation_data, cfg.test_data, cfg.spec, cfg.validation_size)
@@ -196,7 +199,7 @@ class Federation:
         except BaseException as exc:
             status = ending_for(exc)
             log.exception("run %s %s", self.run_id, status)
-            self.registry.finish_run(self.run_id, status, f"{type(exc).__name__}: {exc}")
+            self.registry.finish_run(self.run_id, status, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
             raise
         self.registry.finish_run(self.run_id, "finished")
         log.info("run %s finished", self.run_id)
@@ -204,6 +207,7 @@ class Federation:
     def _round(self, server_round: int) -> None:
         t0 = time.perf_counter()
         cfg, failures = self.cfg, {}
+        self.phase_seconds = {}
         distilling = cfg.distills_in(server_round) and self.proxy is not None
         nodes = self._describe(sorted(self.grid.get_node_ids()), server_round, failures)
         if distilling:
@@ -216,11 +220,11 @@ class Federation:
             log.error("round %d aborted: %s; the global models are unchanged", server_round, exc)
             self.registry.record_round(
                 self.run_id, server_round, status="aborted", participants=exc.participants, failures=exc.failures,
-                seconds=time.perf_counter() - t0, version_id=None, metrics={"reason": str(exc)},
+                seconds=time.perf_counter() - t0, version_id=None, metrics={"reason": str(exc), **self._phase_metrics()},
             )
             return
         self._log_failures(server_round, result.failures)
-        metrics = dict(result.metrics)
+        metrics = {**result.metrics, **self._phase_metrics()}
         versions = {}
         for arch in sorted({self.architecture_of_node[n] for n in nodes} | set(result.group_weights)):
             line = self._line(arch)
@@ -257,6 +261,10 @@ class Federation:
         log.info("round %d: %s from %s in %.2fs%s", server_round,
                  ", ".join(f"{a} accuracy {v.metrics['accuracy']:.4f}" for a, v in versions.items()), result.participants, seconds,
                  " (secure aggregation)" if cfg.secure_aggregation else "")
+
+    def _phase_metrics(self) -> dict[str, float]:
+        """Where the round's time went, per message type: e.g. seconds/train, seconds/query.secagg_unmask."""
+        return {f"seconds/{kind}": round(t, 3) for kind, t in self.phase_seconds.items()}
 
     # groups ----------------------------------------------------------------------------------
     def _line(self, arch: str) -> Line:
@@ -336,7 +344,9 @@ class Federation:
                   failures: dict[str, str]) -> dict[int, Message]:
         """Send one message per node (``records(node) -> RecordDict``); return good replies, note failures."""
         messages = [Message(records(n), dst_node_id=n, message_type=message_type, group_id=str(server_round)) for n in node_ids]
+        started = time.perf_counter()
         replies, timed_out = push_and_collect(self.grid, messages, timeout)
+        self.phase_seconds[message_type] = self.phase_seconds.get(message_type, 0.0) + time.perf_counter() - started
         for node_id in timed_out:
             failures[self._name(node_id)] = f"no reply to {message_type} within {timeout:.0f}s"
         good = {}
@@ -390,14 +400,16 @@ class Federation:
         return result
 
     def _secure_round(self, server_round: int, nodes: list[int], distilling: bool, failures: dict[str, str]) -> RoundResult:
-        """Every group's FedAvg and the prediction ensemble through one SecAgg+ session: the server learns sums only."""
+        """Every group's FedAvg and the prediction ensemble through one SecAgg+ session: the server learns sums only.
+
+        Four message phases (advertise, share, train + masked input, unmask) when keys must be exchanged;
+        two (train, unmask) when the previous round already carried this round's keys and share boxes.
+        """
         cfg = self.cfg
-        slot_of = {n: i + 1 for i, n in enumerate(nodes)}
-        node_of = {s: n for n, s in slot_of.items()}
-        n = len(nodes)
-        threshold = cfg.secagg_threshold or max(2, math.ceil(2 * n / 3))
-        if n < max(threshold, cfg.min_factories):
-            raise RoundAborted(f"{n} factories connected, secure aggregation needs {max(threshold, cfg.min_factories)}", failures, [])
+        keyed = self._take_pipelined(server_round, nodes)
+        threshold = keyed.secure.threshold if keyed else self._threshold(len(nodes))
+        if len(nodes) < max(threshold, cfg.min_factories):
+            raise RoundAborted(f"{len(nodes)} factories connected, secure aggregation needs {max(threshold, cfg.min_factories)}", failures, [])
         # A group of one would have its member's update revealed by its slot of the sum: it sends predictions only.
         members = {arch: [m for m in nodes if self.architecture_of_node[m] == arch] for arch in self.lines}
         sends_weights = {m: cfg.distill != "only" and len(members[self.architecture_of_node[m]]) >= 2 for m in nodes}
@@ -409,22 +421,13 @@ class Federation:
                                  len(self.proxy) * NUM_CLASSES if distilling and self.proxy is not None else 0, NUM_CLASSES)
         if not layout.groups and not layout.predictions:
             raise RoundAborted("no factory can contribute under secure aggregation (groups of one, no distillation)", failures, [])
-        session = session_id(self.run_id, server_round)
-        secure = SecureSum(session, list(node_of), threshold, cfg.secagg_degree or n - 1)
-        base = {"session": session.decode()}
-
-        def stage(targets: list[int], name: str, fields: Any, timeout: float) -> dict[int, dict[str, Any]]:
-            replies = self._exchange(targets, f"query.secagg_{name}", server_round,
-                                     lambda node: RecordDict({"secagg": ConfigRecord({**base, **fields(slot_of[node])})}), timeout, failures)
-            return {slot_of[node]: dict(r.content["secagg"]) for node, r in replies.items()}
-
+        phases = 2 if keyed else 4
         try:
-            keys = stage(nodes, "advertise", lambda slot: {"slot": slot, "threshold": threshold}, cfg.secagg_timeout)
-            plan = secure.add_public_keys({slot: (r["enc-pk"], r["mask-pk"]) for slot, r in keys.items()})
-            shared = stage([node_of[s] for s in plan], "share",
-                           lambda slot: {"neighbors": plan[slot][0], "enc-pks": plan[slot][1], "mask-pks": plan[slot][2]}, cfg.secagg_timeout)
-            routed = secure.add_share_boxes({slot: dict(zip(r["to"], r["boxes"])) for slot, r in shared.items()})
-
+            if keyed is None:
+                keyed = self._exchange_keys(server_round, nodes, threshold, failures)
+            secure, node_of, slot_of = keyed.secure, keyed.node_of, keyed.slot_of
+            base = {"session": secure.session.decode()}
+            ahead = self._open_next_session(server_round, nodes)
             secagg_common = {**base, "alive": secure.u2, "clip": float(cfg.update_clip), "scale": float(cfg.secagg_scale), "max-weight": cfg.max_weight,
                              "groups": [a.encode() for a, _ in layout.groups], "group-sizes": [size for _, size in layout.groups],
                              "predictions": layout.predictions, "classes": layout.classes}
@@ -433,13 +436,20 @@ class Federation:
 
             def train_message(node: int) -> RecordDict:
                 arch = self.architecture_of_node[node]
-                return RecordDict({
+                content = RecordDict({
                     "arrays": arrays[arch],
                     "config": self._round_config(server_round, arch, distilling, sends_weights[node]),
-                    "secagg": ConfigRecord({**secagg_common, "from": list(routed[slot_of[node]]), "boxes": list(routed[slot_of[node]].values())}),
+                    "secagg": ConfigRecord({**secagg_common, "from": list(keyed.routed[slot_of[node]]), "boxes": list(keyed.routed[slot_of[node]].values())}),
                 })
+                if ahead is not None:  # the next round's key advertisement rides on this message
+                    content["secagg-next"] = ConfigRecord(ahead.advertise_request(node))
+                return content
 
-            replies = self._exchange([node_of[s] for s in secure.u2], MessageType.TRAIN, server_round, train_message, cfg.round_timeout, failures)
+            present = set(nodes)  # a session member that has disconnected is not sent anything: it counts as dropped
+            targets = [node_of[s] for s in secure.u2 if node_of[s] in present]
+            replies = self._exchange(targets, MessageType.TRAIN, server_round, train_message, cfg.round_timeout, failures)
+            if ahead is not None:
+                ahead.add_public_keys(_ahead_fields(replies))
             masked_inputs: dict[int, np.ndarray] = {}
             metrics: dict[int, dict[str, float]] = {}
             for node, reply in replies.items():
@@ -463,15 +473,67 @@ class Federation:
             participants = sorted(self._name(node_of[s]) for s in survivors)
             if len(survivors) < cfg.min_factories:
                 raise RoundAborted(f"{len(survivors)} masked inputs, {cfg.min_factories} required", failures, participants)
-            answers = stage([node_of[s] for s in survivors], "unmask", lambda slot: {"survivors": survivors, "dropped": dropped}, cfg.secagg_timeout)
+
+            def unmask_message(node: int) -> RecordDict:
+                content = RecordDict({"secagg": ConfigRecord({**base, "survivors": survivors, "dropped": dropped})})
+                share = ahead.share_request(node) if ahead is not None else None
+                if share is not None:  # the next round's share distribution rides on this message
+                    content["secagg-next"] = ConfigRecord(share)
+                return content
+
+            replies = self._exchange([node_of[s] for s in survivors], "query.secagg_unmask", server_round, unmask_message, cfg.secagg_timeout, failures)
+            if ahead is not None:
+                self._pipelined = ahead.finish(_ahead_fields(replies))
+            answers = {slot_of[node]: dict(r.content["secagg"]) for node, r in replies.items()}
             total = secure.result({slot: (
                 {u: (i, s) for u, i, s in zip(r["seed-slots"], r["seed-index"], r["seed-shares"])},
                 {u: (i, s) for u, i, s in zip(r["key-slots"], r["key-index"], r["key-shares"])},
             ) for slot, r in answers.items()})
         except SecAggAborted as exc:
             raise RoundAborted(str(exc), failures, []) from exc
-        return self._decode_secure_sum(total, layout, participants, failures, {node_of[s]: metrics.get(node_of[s], {}) for s in survivors},
-                                       bytes_received=sum(masked_inputs[node_of[s]].nbytes for s in survivors))
+        result = self._decode_secure_sum(total, layout, participants, failures, {node_of[s]: metrics.get(node_of[s], {}) for s in survivors},
+                                         bytes_received=sum(masked_inputs[node_of[s]].nbytes for s in survivors))
+        result.metrics["secagg-phases"] = float(phases)
+        return result
+
+    def _threshold(self, n: int) -> int:
+        return self.cfg.secagg_threshold or max(2, math.ceil(2 * n / 3))
+
+    def _exchange_keys(self, server_round: int, nodes: list[int], threshold: int, failures: dict[str, str]) -> KeyedSession:
+        """The two key phases of a session: advertise the public keys, then route the sealed share boxes."""
+        node_of = {i + 1: n for i, n in enumerate(nodes)}
+        slot_of = {n: s for s, n in node_of.items()}
+        secure = SecureSum(session_id(self.run_id, server_round), list(node_of), threshold, self.cfg.secagg_degree or len(nodes) - 1)
+        base = {"session": secure.session.decode()}
+
+        def stage(targets: list[int], name: str, fields: Any) -> dict[int, dict[str, Any]]:
+            replies = self._exchange(targets, f"query.secagg_{name}", server_round,
+                                     lambda node: RecordDict({"secagg": ConfigRecord({**base, **fields(slot_of[node])})}), self.cfg.secagg_timeout, failures)
+            return {slot_of[node]: dict(r.content["secagg"]) for node, r in replies.items()}
+
+        keys = stage(nodes, "advertise", lambda slot: {"slot": slot, "threshold": threshold})
+        plan = secure.add_public_keys({slot: (r["enc-pk"], r["mask-pk"]) for slot, r in keys.items()})
+        shared = stage([node_of[s] for s in plan], "share", lambda slot: {"neighbors": plan[slot][0], "enc-pks": plan[slot][1], "mask-pks": plan[slot][2]})
+        return KeyedSession(secure, node_of, secure.add_share_boxes({slot: dict(zip(r["to"], r["boxes"])) for slot, r in shared.items()}))
+
+    def _open_next_session(self, server_round: int, nodes: list[int]) -> NextSession | None:
+        """The next round's session, to be keyed during this round (none after the last round)."""
+        if server_round >= self.cfg.num_server_rounds:
+            return None
+        node_of = {i + 1: n for i, n in enumerate(nodes)}
+        secure = SecureSum(session_id(self.run_id, server_round + 1, AHEAD), list(node_of), self._threshold(len(nodes)),
+                           self.cfg.secagg_degree or len(nodes) - 1)
+        return NextSession(secure, node_of)
+
+    def _take_pipelined(self, server_round: int, nodes: list[int]) -> KeyedSession | None:
+        """This round's session if the previous round keyed it for every node taking part now."""
+        keyed, self._pipelined = self._pipelined, None
+        if keyed is None or keyed.secure.session != session_id(self.run_id, server_round, AHEAD):
+            return None
+        if not keyed.covers(nodes):
+            log.info("round %d: factories without shares in the prepared session; exchanging keys afresh", server_round)
+            return None
+        return keyed
 
     def _decode_secure_sum(self, total: np.ndarray, layout: SecureLayout, participants: list[str], failures: dict[str, str],
                            metrics: dict[int, dict[str, float]], bytes_received: int) -> RoundResult:
@@ -547,6 +609,11 @@ class Federation:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"only {len(list(self.grid.get_node_ids()))} of {wanted} factories connected within {self.cfg.wait_for_factories:.0f}s")
             time.sleep(0.2)
+
+
+def _ahead_fields(replies: dict[int, Message]) -> dict[int, dict[str, Any]]:
+    """The next session's stage answers that rode on these replies, by node."""
+    return {node: dict(r.content["secagg-next"]) for node, r in replies.items() if "secagg-next" in r.content}
 
 
 def _weighted_metrics(updates: list[FactoryUpdate]) -> dict[str, float]:

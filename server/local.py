@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from common.procs import ProcessSet, free_port, wait_for_port
+from common.procs import ProcessSet, free_port, supernode_env, wait_for_port
 from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
 from server import launch
 
@@ -127,7 +127,7 @@ class LocalFederation:
             self.procs.start(f"{f.factory_id}-supernode", [
                 shutil.which("flower-supernode") or "flower-supernode", "--insecure", "--superlink", self.superlink,
                 "--port", str(f.supernode_port), "--node-config", node_config,
-            ], env={"FLWR_TELEMETRY_ENABLED": "0"})
+            ], env=supernode_env())
             f.process_names = [f"{f.factory_id}-agent", f"{f.factory_id}-supernode"]
         self.factories.append(f)
         return f

@@ -138,3 +138,75 @@ class SecureSum:
         if len(usable) < self.threshold:
             raise SecAggAborted(f"only {len(usable)} shares of the {what} of slot {slot} returned, threshold {self.threshold}")
         return recover_secret(usable[: self.threshold])
+
+
+@dataclass
+class SessionMembers:
+    """A session and the Flower node behind each of its slots."""
+
+    secure: SecureSum
+    node_of: dict[int, int]  # slot -> Flower node id
+
+    @property
+    def slot_of(self) -> dict[int, int]:
+        return {node: slot for slot, node in self.node_of.items()}
+
+
+@dataclass
+class KeyedSession(SessionMembers):
+    """A session past key advertisement and share distribution: ready for masked inputs.
+
+    Keeping it between rounds is what lets a round skip its own two key phases: the next round's keys
+    ride on this round's train message and its share boxes on this round's unmask message.
+    """
+
+    routed: dict[int, dict[int, bytes]] = field(default_factory=dict)  # receiver slot -> sender slot -> sealed share box
+
+    def covers(self, nodes: list[int]) -> bool:
+        """Whether every node that may take part holds shares in this session (else keys are exchanged afresh)."""
+        return set(nodes) <= {self.node_of[s] for s in self.secure.u2}
+
+
+@dataclass
+class NextSession(SessionMembers):
+    """The next round's session while it is keyed on this round's messages (pipelining).
+
+    Its public keys come back with this round's train replies and its share boxes with the unmask
+    replies; a factory that misses either is simply not in it. Nothing about it can fail this round:
+    if too few factories key it, the next round exchanges keys itself.
+    """
+
+    plan: dict[int, tuple[list[int], list[bytes], list[bytes]]] = field(default_factory=dict)
+
+    def advertise_request(self, node: int) -> dict[str, object]:
+        return {"stage": "advertise", "session": self.secure.session.decode(), "slot": self.slot_of[node], "threshold": self.secure.threshold}
+
+    def add_public_keys(self, answers: dict[int, dict[str, object]]) -> None:
+        """Record the keys that came back (by node); plan the share stage, or give up on pipelining."""
+        slot_of = self.slot_of
+        try:
+            self.plan = self.secure.add_public_keys({slot_of[n]: (a["enc-pk"], a["mask-pk"]) for n, a in answers.items()
+                                                     if n in slot_of and "enc-pk" in a and "mask-pk" in a})  # type: ignore[misc]
+        except SecAggAborted as exc:
+            log.info("the next round will exchange its own keys: %s", exc)
+            self.plan = {}
+
+    def share_request(self, node: int) -> dict[str, object] | None:
+        slot = self.slot_of.get(node)
+        if slot not in self.plan:
+            return None
+        neighbours, enc_pks, mask_pks = self.plan[slot]
+        return {"stage": "share", "session": self.secure.session.decode(), "neighbors": neighbours, "enc-pks": enc_pks, "mask-pks": mask_pks}
+
+    def finish(self, answers: dict[int, dict[str, object]]) -> KeyedSession | None:
+        """Route the share boxes that came back (by node): the keyed session, or None if too few shared."""
+        if not self.plan:
+            return None
+        slot_of = self.slot_of
+        try:
+            routed = self.secure.add_share_boxes({slot_of[n]: dict(zip(a["to"], a["boxes"])) for n, a in answers.items()  # type: ignore[call-overload]
+                                                  if n in slot_of and "to" in a and "boxes" in a})
+        except SecAggAborted as exc:
+            log.info("the next round will exchange its own keys: %s", exc)
+            return None
+        return KeyedSession(self.secure, self.node_of, routed)

@@ -46,6 +46,20 @@ def _quiet_flower(monkeypatch):
     monkeypatch.setenv("FEDFORGE_TORCH_THREADS", "1")
 
 
+@pytest.fixture
+def chromium():
+    """A real headless Chromium (Debian's) driven through chromedriver."""
+    from selenium import webdriver
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = "/usr/bin/chromium"
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1366,900"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=webdriver.ChromeService("/usr/bin/chromedriver"), options=options)
+    yield driver
+    driver.quit()
+
+
 @pytest.fixture(scope="session")
 def postgres():
     from tests.pg import PostgresServer

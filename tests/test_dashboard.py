@@ -146,18 +146,13 @@ def test_fuzzed_requests_never_cause_a_server_error(case):
         assert 400 <= response.status_code < 500  # never changed state without the token
 
 
-def test_browser_shows_real_numbers_and_approves_with_the_token(registry_dir):
-    from selenium import webdriver
+def test_browser_shows_real_numbers_and_approves_with_the_token(registry_dir, chromium):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as EC
     from selenium.webdriver.support.ui import WebDriverWait
 
     server, url = _serve(registry_dir, admin_token=ADMIN)
-    options = webdriver.ChromeOptions()
-    options.binary_location = "/usr/bin/chromium"
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1366,900"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(service=webdriver.ChromeService("/usr/bin/chromedriver"), options=options)
+    driver = chromium
     ARTIFACTS.mkdir(exist_ok=True)
     reg = Registry.at(registry_dir)
     (run,) = reg.runs()
@@ -190,7 +185,6 @@ def test_browser_shows_real_numbers_and_approves_with_the_token(registry_dir):
         driver.save_screenshot(str(ARTIFACTS / "dashboard-version-approved.png"))
         assert reg.actions(version_id=candidate.id)[-1].note == "approved in the browser test"
     finally:
-        driver.quit()
         server.should_exit = True
 
 

@@ -14,9 +14,7 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
-from flwr.app import Context, Message, RecordDict
 
-from client import app as client_app
 from client.agent import serve
 from client.config import AgentConfig
 from common.distill import ProxyCache, ProxySet, ProxySetError, balanced_predictions, check_predictions, ensemble_of
@@ -27,7 +25,7 @@ from server.federation import Federation, FederationConfig
 from server.local import fedforge_command
 from server.registry.service import Registry
 from server.secure_sum import SecureSum
-from tests.test_server_rounds import ScriptedGrid, _task_identity, factory, plus  # noqa: F401 - fixture re-used
+from tests.test_server_rounds import ScriptedGrid, _task_identity, agent_node, factory, plus  # noqa: F401 - fixture re-used
 
 PROXY, CLASSES = 32, 6
 
@@ -199,23 +197,6 @@ def agents(tmp_path):
         agent.stop(0)
 
 
-def _clientapp_handler(agent, recorded: dict[str, list]):
-    """What a SuperNode does with a message: run the FedForge ClientApp handler, pointed at the agent."""
-    context = Context(run_id=1, node_id=0, node_config={"agent-address": agent.trainer.cfg.listen, "factory-id": agent.trainer.cfg.factory_id},
-                      state=RecordDict(), run_config={"agent-timeout": 120.0})
-    handlers = {"train": client_app.train, "query.describe": client_app.describe, "query.proxy": client_app.proxy,
-                **{f"query.secagg_{s}": client_app._secagg_stage(s) for s in ("advertise", "share", "unmask")}}
-
-    def handle(msg: Message) -> Message | None:
-        if msg.metadata.message_type == "train" and agent.trainer.cfg.factory_id in recorded.get("drop", []):
-            return None  # this factory drops out of the prediction phase
-        reply = handlers[msg.metadata.message_type](msg, context)
-        for record in reply.content.array_records.values():
-            recorded["server-saw"].extend((name, arr.numpy()) for name, arr in record.items())
-        return reply
-    return handle
-
-
 def test_secure_distillation_server_sees_only_sums_and_survives_a_dropout(tmp_path, agents, monkeypatch):
     predictions: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # factory -> (balanced predictions, class counts)
     for agent in agents:
@@ -230,8 +211,9 @@ def test_secure_distillation_server_sees_only_sums_and_survives_a_dropout(tmp_pa
     original_result = SecureSum.result
     monkeypatch.setattr(SecureSum, "result", lambda self, answers: unmasked.append(original_result(self, answers)) or unmasked[-1])
 
-    recorded: dict[str, list] = {"server-saw": [], "drop": ["factory-2"]}
-    grid = ScriptedGrid({i + 1: _clientapp_handler(agent, recorded) for i, agent in enumerate(agents)})
+    recorded: dict[str, list] = {"server-saw": []}
+    drops = lambda msg, factory_id: msg.metadata.message_type == "train" and factory_id == "factory-2"  # noqa: E731 - out of the prediction phase
+    grid = ScriptedGrid({i + 1: agent_node(agent, recorded, drops) for i, agent in enumerate(agents)})
     fed = Federation(grid, _config(tmp_path, distill="after", secagg_threshold=2, local_epochs=1, round_timeout=20), flwr_run_id="23")
     fed.run()
 
@@ -263,7 +245,7 @@ def test_secure_distillation_server_sees_only_sums_and_survives_a_dropout(tmp_pa
 
 def test_secure_distillation_only_rounds_send_predictions_and_no_weights(tmp_path, agents):
     recorded: dict[str, list] = {"server-saw": []}
-    grid = ScriptedGrid({i + 1: _clientapp_handler(agent, recorded) for i, agent in enumerate(agents)})
+    grid = ScriptedGrid({i + 1: agent_node(agent, recorded) for i, agent in enumerate(agents)})
     fed = Federation(grid, _config(tmp_path, distill="only", secagg_threshold=2, local_epochs=1, round_timeout=60), flwr_run_id="24")
     fed.run()
     (round1,) = Registry.at(tmp_path / "registry").rounds("run-24")

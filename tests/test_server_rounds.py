@@ -12,10 +12,14 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
+from client import app as client_app
+from client.agent import serve
+from client.config import AgentConfig
+from common.procs import free_port
 from server.federation import Federation, FederationConfig
 from server.registry.service import Registry
 
@@ -82,6 +86,30 @@ def factory(name: str, transform: Callable[[OrderedDict], OrderedDict], architec
     return handle
 
 
+def agent_node(agent, recorded: dict[str, list], drops: Callable[[Message, str], bool] = lambda msg, factory_id: False) -> Handler:
+    """What a SuperNode does with a message: run the FedForge ClientApp handler, pointed at a real edge agent.
+
+    ``recorded["messages"]`` gets (round, message type, factory, carries next-session stage) for each
+    message; ``recorded["server-saw"]`` every array the server received; ``drops`` silences replies.
+    """
+    factory_id = agent.trainer.cfg.factory_id
+    context = Context(run_id=1, node_id=0, node_config={"agent-address": agent.trainer.cfg.listen, "factory-id": factory_id},
+                      state=RecordDict(), run_config={"agent-timeout": 120.0})
+    handlers = {"train": client_app.train, "query.describe": client_app.describe, "query.proxy": client_app.proxy,
+                **{f"query.secagg_{s}": client_app._secagg_stage(s) for s in ("advertise", "share", "unmask")}}
+
+    def handle(msg: Message) -> Message | None:
+        kind = msg.metadata.message_type
+        recorded.setdefault("messages", []).append((int(msg.metadata.group_id), kind, factory_id, "secagg-next" in msg.content))
+        if drops(msg, factory_id):
+            return None
+        reply = handlers[kind](msg, context)
+        for record in reply.content.array_records.values():
+            recorded.setdefault("server-saw", []).extend((name, arr.numpy()) for name, arr in record.items())
+        return reply
+    return handle
+
+
 def plus(delta: float):
     return lambda w: OrderedDict((k, v + np.asarray(delta, v.dtype)) for k, v in w.items())
 
@@ -109,8 +137,8 @@ def _task_identity():
 
 
 def _config(tmp_path, **kw):
-    return FederationConfig(num_server_rounds=1, test_size=60, wait_for_factories=5, round_timeout=2, registry_dir=str(tmp_path),
-                            secure_aggregation=False, **kw)
+    base = dict(num_server_rounds=1, test_size=60, wait_for_factories=5, round_timeout=2, registry_dir=str(tmp_path), secure_aggregation=False)
+    return FederationConfig(**{**base, **kw})
 
 
 def test_nan_and_wrong_shape_updates_are_excluded_by_name(tmp_path, caplog):
@@ -146,3 +174,55 @@ def test_round_below_minimum_is_aborted_and_model_untouched(tmp_path, caplog):
 def test_config_from_run_config_ignores_unknown_keys():
     cfg = FederationConfig.from_run_config({"num-server-rounds": 5, "lr": 0.01, "unknown-key": 1})
     assert cfg.num_server_rounds == 5 and cfg.lr == 0.01
+
+
+def test_secure_rounds_key_the_next_round_in_flight_and_survive_a_dropout_between_rounds(tmp_path):
+    """Round 2 uses the session keyed during round 1 (two message phases, not four); factory-2 shares for
+    round 2 and then drops out of its train phase, so its masks are removed from the sum; in round 3 it
+    holds no shares of the prepared session, so keys are exchanged afresh and it takes part again."""
+    agents = [serve(AgentConfig(factory_id=f"factory-{i}", listen=f"127.0.0.1:{free_port()}", factory_index=i, num_factories=3, train_size=48,
+                                state_dir=str(tmp_path / "factories" / f"factory-{i}"))) for i in range(3)]
+    recorded: dict[str, list] = {}
+    drops = lambda msg, factory_id: factory_id == "factory-2" and msg.metadata.message_type == "train" and msg.metadata.group_id == "2"  # noqa: E731
+    grid = ScriptedGrid({i + 1: agent_node(agent, recorded, drops) for i, agent in enumerate(agents)})
+    cfg = _config(tmp_path, num_server_rounds=3, secure_aggregation=True, secagg_threshold=2, local_epochs=1, round_timeout=3, secagg_timeout=3)
+    try:
+        Federation(grid, cfg, flwr_run_id="31").run()
+    finally:
+        for agent in agents:
+            agent.stop(0)
+
+    rounds = Registry.at(tmp_path).rounds("run-31")
+    assert [r.status for r in rounds] == ["completed"] * 3, [r.metrics for r in rounds]
+    kinds = {r: sorted({k for rr, k, _, _ in recorded["messages"] if rr == r}) for r in (1, 2, 3)}
+    keyed = ["query.secagg_advertise", "query.secagg_share", "query.secagg_unmask", "train"]
+    assert kinds[1] == ["query.describe", *keyed]
+    assert kinds[2] == ["query.secagg_unmask", "train"]
+    assert kinds[3] == keyed
+    assert [r.metrics["secagg-phases"] for r in rounds] == [4, 2, 4]
+    # The next round's stages rode on train and unmask messages of rounds 1 and 2, never of the last round.
+    assert all(ahead for r, k, _, ahead in recorded["messages"] if r in (1, 2) and k in ("train", "query.secagg_unmask"))
+    assert not any(ahead for r, _, _, ahead in recorded["messages"] if r == 3)
+    assert rounds[1].participants == ["factory-0", "factory-1"] and "factory-2" in rounds[1].failures
+    assert rounds[2].participants == ["factory-0", "factory-1", "factory-2"]
+    # The securely summed example counts are exact only if every mask (factory-2's pairwise ones too) was removed.
+    per_factory = rounds[0].metrics["total-examples"] / 3  # each factory trains on the same count every round
+    assert per_factory == int(per_factory) > 0
+    assert [r.metrics["total-examples"] for r in rounds] == [3 * per_factory, 2 * per_factory, 3 * per_factory]
+    assert {name for name, _ in recorded["server-saw"]} == {"masked"} and all(a.dtype == np.uint64 for _, a in recorded["server-saw"])
+
+
+def test_a_refused_next_round_stage_never_fails_the_message_it_rides_on(tmp_path, caplog):
+    """The agent refuses a share stage for a session it never started: the factory is just not in that session."""
+    agent = serve(AgentConfig(factory_id="factory-0", listen=f"127.0.0.1:{free_port()}", train_size=48, state_dir=str(tmp_path / "factory-0")))
+    try:
+        context = Context(run_id=1, node_id=0, node_config={"agent-address": agent.trainer.cfg.listen}, state=RecordDict(), run_config={})
+        share = ConfigRecord({"stage": "share", "session": "run-9|2|keyed-ahead", "neighbors": [2], "enc-pks": [b"k" * 32], "mask-pks": [b"m" * 32]})
+        msg = Message(RecordDict({"secagg-next": share}), dst_node_id=1, message_type="query.secagg_unmask")
+        with caplog.at_level(logging.WARNING, logger="fedforge.client"):
+            assert client_app._next_session_stage(msg, context) == {}
+        assert "unknown or expired secure-aggregation session" in caplog.text
+        bogus = Message(RecordDict({"secagg-next": ConfigRecord({"stage": "unmask"})}), dst_node_id=1, message_type="train")
+        assert client_app._next_session_stage(bogus, context) == {}  # only key stages may ride ahead
+    finally:
+        agent.stop(0)

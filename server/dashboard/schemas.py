@@ -30,6 +30,7 @@ class RunOut(BaseModel):
     rounds_completed: int
     rounds_planned: int
     last_accuracy: float | None
+    resumed_from: str  # the version a run continued from after a crash ("" for a fresh start)
 
 
 class RunDetail(RunOut):

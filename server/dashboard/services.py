@@ -18,7 +18,7 @@ def _run_out(reg: Registry, run: Run) -> schemas.RunOut:
     return schemas.RunOut(
         id=run.id, flwr_run_id=run.flwr_run_id, status=run.status, started_at=run.started_at, finished_at=run.finished_at, error=run.error,
         rounds_completed=len(rounds), rounds_planned=int(run.config.get("num_server_rounds", len(rounds))),
-        last_accuracy=done[-1].accuracy if done else None,
+        last_accuracy=done[-1].accuracy if done else None, resumed_from=str(run.config.get("resume_from") or ""),
     )
 
 
