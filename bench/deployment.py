@@ -6,12 +6,16 @@
 2. Cold start of the factory command: `fedforge client` launched -> edge agent serving (data loaded)
    -> SuperNode registered with the SuperLink, against a local `fedforge server`; baseline: the bare
    `python -c "import torch"` start in the same run.
+3. With --install-layer: the images' install layer reproduced, i.e. the Dockerfiles' `pip install
+   --no-cache-dir ... fedforge` into an empty virtual environment, measured on disk (bytecode
+   included, as pip writes it in the image). The slim Python base image cannot be fetched here.
 
-    python bench/deployment.py
+    python bench/deployment.py [--install-layer]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import subprocess
@@ -64,7 +68,34 @@ def cold_start() -> dict[str, float]:
     return {"python_import_torch_s": torch_import, "agent_serving_s": agent_ready, "supernode_online_s": node_online}
 
 
+def install_layer() -> tuple[int, list[tuple[str, int]]]:
+    """Bytes that `pip install --no-cache-dir <this repo>` writes into an empty environment, and the largest entries."""
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        venv = Path(tmp) / "layer"
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q", "--no-cache-dir", str(root)],
+                       check=True)
+        (site,) = (venv / "lib").glob("python3*/site-packages")
+        sizes = {entry.name: _disk_bytes(entry) for entry in site.iterdir()}
+        return sum(sizes.values()), sorted(sizes.items(), key=lambda kv: -kv[1])[:8]
+
+
+def _disk_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--install-layer", action="store_true", help="also reproduce and measure the images' pip install layer (~1 min)")
+    args = parser.parse_args()
+    if args.install_layer:
+        layer, largest = install_layer()
+        print(json.dumps({"install_layer_bytes": layer, "largest": largest}))
+        print(f"install layer (pip install of fedforge into an empty environment): {layer / 2**20:.0f} MiB; largest: "
+              + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in largest[:6]))
     sizes: dict[str, int] = {}
     closure("fedforge", sizes)
     total = sum(sizes.values())
