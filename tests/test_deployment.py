@@ -173,9 +173,9 @@ def test_central_site_crashes_resume_from_the_registry(tmp_path, no_leftover_pro
 
     from selenium.webdriver.common.by import By
 
-    from server.dashboard.app import DashboardSettings, serve_dashboard
-
+    from common.procs import wait_for_port
     from common.signing import load_public, verify_manifest, verify_weights
+    from server.dashboard.app import DashboardSettings, serve_dashboard
 
     with ProcessSet(tmp_path / "logs") as procs:
         fed = LocalFederation(tmp_path, procs, num_factories=2, train_size=200,
@@ -217,8 +217,6 @@ def test_central_site_crashes_resume_from_the_registry(tmp_path, no_leftover_pro
     port = free_port()
     dashboard = serve_dashboard(DashboardSettings(fed.registry_dir), "127.0.0.1", port)
     try:
-        from common.procs import wait_for_port
-
         wait_for_port("127.0.0.1", port, 30)
         chromium.get(f"http://127.0.0.1:{port}/runs")
         rows = {r.get_attribute("data-run"): r for r in chromium.find_elements(By.CSS_SELECTOR, "tr[data-run]")}

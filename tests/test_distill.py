@@ -212,7 +212,7 @@ def test_secure_distillation_server_sees_only_sums_and_survives_a_dropout(tmp_pa
     monkeypatch.setattr(SecureSum, "result", lambda self, answers: unmasked.append(original_result(self, answers)) or unmasked[-1])
 
     recorded: dict[str, list] = {"server-saw": []}
-    drops = lambda msg, factory_id: msg.metadata.message_type == "train" and factory_id == "factory-2"  # noqa: E731 - out of the prediction phase
+    drops = lambda msg, factory_id: msg.metadata.message_type == "train" and factory_id == "factory-2"  # out of the prediction phase
     grid = ScriptedGrid({i + 1: agent_node(agent, recorded, drops) for i, agent in enumerate(agents)})
     fed = Federation(grid, _config(tmp_path, distill="after", secagg_threshold=2, local_epochs=1, round_timeout=20), flwr_run_id="23")
     fed.run()

@@ -137,7 +137,8 @@ def _task_identity():
 
 
 def _config(tmp_path, **kw):
-    base = dict(num_server_rounds=1, test_size=60, wait_for_factories=5, round_timeout=2, registry_dir=str(tmp_path), secure_aggregation=False)
+    base = {"num_server_rounds": 1, "test_size": 60, "wait_for_factories": 5, "round_timeout": 2, "registry_dir": str(tmp_path),
+            "secure_aggregation": False}
     return FederationConfig(**{**base, **kw})
 
 
@@ -183,7 +184,7 @@ def test_secure_rounds_key_the_next_round_in_flight_and_survive_a_dropout_betwee
     agents = [serve(AgentConfig(factory_id=f"factory-{i}", listen=f"127.0.0.1:{free_port()}", factory_index=i, num_factories=3, train_size=48,
                                 state_dir=str(tmp_path / "factories" / f"factory-{i}"))) for i in range(3)]
     recorded: dict[str, list] = {}
-    drops = lambda msg, factory_id: factory_id == "factory-2" and msg.metadata.message_type == "train" and msg.metadata.group_id == "2"  # noqa: E731
+    drops = lambda msg, factory_id: factory_id == "factory-2" and msg.metadata.message_type == "train" and msg.metadata.group_id == "2"
     grid = ScriptedGrid({i + 1: agent_node(agent, recorded, drops) for i, agent in enumerate(agents)})
     cfg = _config(tmp_path, num_server_rounds=3, secure_aggregation=True, secagg_threshold=2, local_epochs=1, round_timeout=3, secagg_timeout=3)
     try:
