@@ -42,7 +42,7 @@ from server.distillation import MODES, distil_into, load_proxy, load_validation
 from server.groups import Line, RoundResult
 from server.messaging import push_and_collect
 from server.registry.service import NewVersion, Registry
-from server.secure_sum import KeyedSession, NextSession, SecAggAborted, SecureSum
+from server.secure_sum import KeyedSession, KeyExchange, SecAggAborted
 
 log = logging.getLogger("fedforge.server")
 
@@ -442,14 +442,18 @@ class Federation:
                     "secagg": ConfigRecord({**secagg_common, "from": list(keyed.routed[slot_of[node]]), "boxes": list(keyed.routed[slot_of[node]].values())}),
                 })
                 if ahead is not None:  # the next round's key advertisement rides on this message
-                    content["secagg-next"] = ConfigRecord(ahead.advertise_request(node))
+                    content["secagg-next"] = ConfigRecord({"stage": "advertise", **ahead.advertise_request(node)})
                 return content
 
             present = set(nodes)  # a session member that has disconnected is not sent anything: it counts as dropped
             targets = [node_of[s] for s in secure.u2 if node_of[s] in present]
             replies = self._exchange(targets, MessageType.TRAIN, server_round, train_message, cfg.round_timeout, failures)
             if ahead is not None:
-                ahead.add_public_keys(_ahead_fields(replies))
+                try:
+                    ahead.add_public_keys(_ahead_fields(replies))
+                except SecAggAborted as exc:  # never fails this round: the next one exchanges its own keys
+                    log.info("round %d: the next round will exchange its own keys: %s", server_round, exc)
+                    ahead = None
             masked_inputs: dict[int, np.ndarray] = {}
             metrics: dict[int, dict[str, float]] = {}
             for node, reply in replies.items():
@@ -478,12 +482,15 @@ class Federation:
                 content = RecordDict({"secagg": ConfigRecord({**base, "survivors": survivors, "dropped": dropped})})
                 share = ahead.share_request(node) if ahead is not None else None
                 if share is not None:  # the next round's share distribution rides on this message
-                    content["secagg-next"] = ConfigRecord(share)
+                    content["secagg-next"] = ConfigRecord({"stage": "share", **share})
                 return content
 
             replies = self._exchange([node_of[s] for s in survivors], "query.secagg_unmask", server_round, unmask_message, cfg.secagg_timeout, failures)
             if ahead is not None:
-                self._pipelined = ahead.finish(_ahead_fields(replies))
+                try:
+                    self._pipelined = ahead.finish(_ahead_fields(replies))
+                except SecAggAborted as exc:
+                    log.info("round %d: the next round will exchange its own keys: %s", server_round, exc)
             answers = {slot_of[node]: dict(r.content["secagg"]) for node, r in replies.items()}
             total = secure.result({slot: (
                 {u: (i, s) for u, i, s in zip(r["seed-slots"], r["seed-index"], r["seed-shares"])},
@@ -501,29 +508,22 @@ class Federation:
 
     def _exchange_keys(self, server_round: int, nodes: list[int], threshold: int, failures: dict[str, str]) -> KeyedSession:
         """The two key phases of a session: advertise the public keys, then route the sealed share boxes."""
-        node_of = {i + 1: n for i, n in enumerate(nodes)}
-        slot_of = {n: s for s, n in node_of.items()}
-        secure = SecureSum(session_id(self.run_id, server_round), list(node_of), threshold, self.cfg.secagg_degree or len(nodes) - 1)
-        base = {"session": secure.session.decode()}
+        exchange = KeyExchange.of(session_id(self.run_id, server_round), nodes, threshold, self.cfg.secagg_degree)
 
-        def stage(targets: list[int], name: str, fields: Any) -> dict[int, dict[str, Any]]:
-            replies = self._exchange(targets, f"query.secagg_{name}", server_round,
-                                     lambda node: RecordDict({"secagg": ConfigRecord({**base, **fields(slot_of[node])})}), self.cfg.secagg_timeout, failures)
-            return {slot_of[node]: dict(r.content["secagg"]) for node, r in replies.items()}
+        def stage(name: str, request: Any) -> dict[int, dict[str, Any]]:
+            requests = {n: fields for n in nodes if (fields := request(n)) is not None}
+            replies = self._exchange(list(requests), f"query.secagg_{name}", server_round, lambda node: RecordDict({"secagg": ConfigRecord(requests[node])}),
+                                     self.cfg.secagg_timeout, failures)
+            return {node: dict(r.content["secagg"]) for node, r in replies.items()}
 
-        keys = stage(nodes, "advertise", lambda slot: {"slot": slot, "threshold": threshold})
-        plan = secure.add_public_keys({slot: (r["enc-pk"], r["mask-pk"]) for slot, r in keys.items()})
-        shared = stage([node_of[s] for s in plan], "share", lambda slot: {"neighbors": plan[slot][0], "enc-pks": plan[slot][1], "mask-pks": plan[slot][2]})
-        return KeyedSession(secure, node_of, secure.add_share_boxes({slot: dict(zip(r["to"], r["boxes"])) for slot, r in shared.items()}))
+        exchange.add_public_keys(stage("advertise", exchange.advertise_request))
+        return exchange.finish(stage("share", exchange.share_request))
 
-    def _open_next_session(self, server_round: int, nodes: list[int]) -> NextSession | None:
+    def _open_next_session(self, server_round: int, nodes: list[int]) -> KeyExchange | None:
         """The next round's session, to be keyed during this round (none after the last round)."""
         if server_round >= self.cfg.num_server_rounds:
             return None
-        node_of = {i + 1: n for i, n in enumerate(nodes)}
-        secure = SecureSum(session_id(self.run_id, server_round + 1, AHEAD), list(node_of), self._threshold(len(nodes)),
-                           self.cfg.secagg_degree or len(nodes) - 1)
-        return NextSession(secure, node_of)
+        return KeyExchange.of(session_id(self.run_id, server_round + 1, AHEAD), nodes, self._threshold(len(nodes)), self.cfg.secagg_degree)
 
     def _take_pipelined(self, server_round: int, nodes: list[int]) -> KeyedSession | None:
         """This round's session if the previous round keyed it for every node taking part now."""

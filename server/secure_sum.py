@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -147,7 +148,7 @@ class SessionMembers:
     secure: SecureSum
     node_of: dict[int, int]  # slot -> Flower node id
 
-    @property
+    @cached_property
     def slot_of(self) -> dict[int, int]:
         return {node: slot for slot, node in self.node_of.items()}
 
@@ -168,45 +169,43 @@ class KeyedSession(SessionMembers):
 
 
 @dataclass
-class NextSession(SessionMembers):
-    """The next round's session while it is keyed on this round's messages (pipelining).
+class KeyExchange(SessionMembers):
+    """A session while it is being keyed: the advertise and share requests, and what comes back.
 
-    Its public keys come back with this round's train replies and its share boxes with the unmask
-    replies; a factory that misses either is simply not in it. Nothing about it can fail this round:
-    if too few factories key it, the next round exchanges keys itself.
+    The same steps serve a round that exchanges its own keys (two message phases of their own) and the
+    next round's session keyed on this round's train and unmask messages (pipelining). Answers are by
+    Flower node; a node whose answer is missing or malformed is simply not in the session. Raises
+    `SecAggAborted` when too few factories remain.
     """
 
     plan: dict[int, tuple[list[int], list[bytes], list[bytes]]] = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, session: bytes, nodes: list[int], threshold: int, degree: int) -> KeyExchange:
+        """Slots 1..n in node order; ``degree`` 0 means everyone is everyone's neighbour."""
+        node_of = {i + 1: n for i, n in enumerate(nodes)}
+        return cls(SecureSum(session, list(node_of), threshold, degree or len(nodes) - 1), node_of)
+
     def advertise_request(self, node: int) -> dict[str, object]:
-        return {"stage": "advertise", "session": self.secure.session.decode(), "slot": self.slot_of[node], "threshold": self.secure.threshold}
+        return {"session": self.secure.session.decode(), "slot": self.slot_of[node], "threshold": self.secure.threshold}
 
     def add_public_keys(self, answers: dict[int, dict[str, object]]) -> None:
-        """Record the keys that came back (by node); plan the share stage, or give up on pipelining."""
+        """Record the keys that came back and plan the share stage."""
         slot_of = self.slot_of
-        try:
-            self.plan = self.secure.add_public_keys({slot_of[n]: (a["enc-pk"], a["mask-pk"]) for n, a in answers.items()
-                                                     if n in slot_of and "enc-pk" in a and "mask-pk" in a})  # type: ignore[misc]
-        except SecAggAborted as exc:
-            log.info("the next round will exchange its own keys: %s", exc)
-            self.plan = {}
+        self.plan = self.secure.add_public_keys({slot_of[n]: (a["enc-pk"], a["mask-pk"]) for n, a in answers.items()  # type: ignore[misc]
+                                                 if n in slot_of and "enc-pk" in a and "mask-pk" in a})
 
     def share_request(self, node: int) -> dict[str, object] | None:
+        """The share request for ``node``, or None if it did not advertise keys."""
         slot = self.slot_of.get(node)
         if slot not in self.plan:
             return None
         neighbours, enc_pks, mask_pks = self.plan[slot]
-        return {"stage": "share", "session": self.secure.session.decode(), "neighbors": neighbours, "enc-pks": enc_pks, "mask-pks": mask_pks}
+        return {"session": self.secure.session.decode(), "neighbors": neighbours, "enc-pks": enc_pks, "mask-pks": mask_pks}
 
-    def finish(self, answers: dict[int, dict[str, object]]) -> KeyedSession | None:
-        """Route the share boxes that came back (by node): the keyed session, or None if too few shared."""
-        if not self.plan:
-            return None
+    def finish(self, answers: dict[int, dict[str, object]]) -> KeyedSession:
+        """Route the share boxes that came back: the session, ready for masked inputs."""
         slot_of = self.slot_of
-        try:
-            routed = self.secure.add_share_boxes({slot_of[n]: dict(zip(a["to"], a["boxes"])) for n, a in answers.items()  # type: ignore[call-overload]
-                                                  if n in slot_of and "to" in a and "boxes" in a})
-        except SecAggAborted as exc:
-            log.info("the next round will exchange its own keys: %s", exc)
-            return None
+        routed = self.secure.add_share_boxes({slot_of[n]: dict(zip(a["to"], a["boxes"])) for n, a in answers.items()  # type: ignore[call-overload]
+                                              if n in slot_of and "to" in a and "boxes" in a})
         return KeyedSession(self.secure, self.node_of, routed)
