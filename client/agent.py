@@ -22,11 +22,13 @@ from client.config import AgentConfig
 from client.dp import DPConfigError
 from client.privacy import BudgetExhausted
 from client.secagg import SecAggProtocolError, SecAggSessions
-from client.trainer import FactoryTrainer
+from client.trainer import FactoryTrainer, LocalRound
 from client.workers import WorkerGroupError
+from common.data.folder import DatasetError
 from common.distill import ProxyCache, ProxySet, ProxySetError
 from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
-from common.secagg.layout import SecureLayout
+from common.secagg.layout import Contribution, SecureLayout
+from common.secagg.update import flatten
 from common.secagg.wire import from_values, to_values
 from common.tensors import UpdateError, from_tensor, from_tensors, to_tensor, to_tensors
 
@@ -45,6 +47,8 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
 
     def __init__(self, trainer: FactoryTrainer) -> None:
         self.trainer = trainer
+        self.serving_description: Any = None  # set when the agent serves Inspection: which model, and why
+        self.after_round: Any = None  # set when the agent serves Inspection: re-choose global vs personal
         self.sessions = SecAggSessions()
         self.proxies = ProxyCache(Path(trainer.cfg.state_dir) / "proxy")
         self._lock = threading.Lock()
@@ -58,30 +62,44 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
             proxy = self._proxy_for(config)  # likewise: a distillation round needs the proxy set already here
             send_weights = bool(config.get("send-weights", True))
             global_weights = from_tensors(request.weights)
-            weights, n, metrics = self.trainer.train(global_weights, config, request.server_round, request.run_id)
-            log.info("round %d: trained on %d examples, loss %.4f%s", request.server_round, n, metrics["train-loss"], " (secure)" if secure else "")
-            predictions = self.trainer.predict(weights, config, proxy, float(config.get("temperature", 2.0))) if proxy is not None else None
+            local = self.trainer.train(global_weights, config, request.server_round, request.run_id)
+            log.info("round %d: trained on %d examples, loss %.4f%s", request.server_round, local.examples, local.metrics["train-loss"],
+                     " (secure)" if secure else "")
+            if self.after_round is not None:
+                threading.Thread(target=self.after_round, daemon=True, name="fedforge-reconsider").start()
+            predictions = self.trainer.predict(local.weights, config, proxy, float(config.get("temperature", 2.0))) if proxy is not None else None
+            confusion = local.received.confusion if local.received is not None else np.zeros((len(_classes(config)),) * 2, dtype=np.int64)
+            update_norm = float(np.linalg.norm(flatten(local.weights) - flatten(global_weights)))
+            metrics = {**local.metrics, "update-norm": update_norm}
             factory_id = self.trainer.cfg.factory_id
             if session is None:
-                reply = edge_pb2.TrainReply(factory_id=factory_id, num_examples=n, metrics=metrics)
+                reply = edge_pb2.TrainReply(factory_id=factory_id, num_examples=local.examples, metrics={**metrics, **local.privacy, **self._own(local)},
+                                            confusion=to_tensor("confusion", confusion))
                 if send_weights:
-                    reply.weights.extend(to_tensors(weights))
+                    reply.weights.extend(to_tensors(local.weights))
                 if predictions is not None:
                     reply.predictions.CopyFrom(to_tensor("predictions", predictions[0].astype(np.float32)))
                     reply.class_counts.CopyFrom(to_tensor("class-counts", predictions[1]))
                 return reply
-            # Secure round: only the masked, clipped, fixed-point vector leaves the agent.
+            # Secure round: only the masked, clipped, fixed-point vector leaves the agent (plus the privacy
+            # spend, and this factory's own figures when it chose --share-metrics).
             session.receive_boxes(dict(zip(secure["from"], secure["boxes"])))
-            layout = SecureLayout.of(dict(zip([g.decode() for g in secure["groups"]], secure["group-sizes"])),
-                                     int(secure.get("predictions", 0)), int(secure.get("classes", 0)))
-            encoded, norm = layout.encode(
-                str(config.get("architecture")) if send_weights else None, global_weights, weights, n, predictions,
-                secure["clip"], secure["scale"], int(secure["max-weight"]),
-            )
+            layout = SecureLayout.from_fields(secure)
+            architecture = str(config.get("architecture"))
+            contribution = Contribution(architecture if send_weights else None, global_weights, local.weights, local.examples,
+                                        predictions, confusion, architecture, metrics)
+            encoded, _ = layout.encode(contribution, secure["clip"], secure["scale"], int(secure["max-weight"]))
             masked = session.mask(encoded, list(secure["alive"]))
-            metrics["update-norm"] = norm
-            return edge_pb2.TrainReply(factory_id=factory_id, masked=to_tensor("masked", masked), metrics=metrics)
+            shared = {**metrics, **self._own(local)} if self.trainer.cfg.share_metrics else {}
+            return edge_pb2.TrainReply(factory_id=factory_id, masked=to_tensor("masked", masked), metrics={**local.privacy, **shared})
         return edge_pb2.TrainReply()  # unreachable: context.abort raised
+
+    def _own(self, local: LocalRound) -> dict[str, float]:
+        """This factory's own figures on its held-out split: sent only with --share-metrics."""
+        if not self.trainer.cfg.share_metrics or local.received is None or local.trained is None:
+            return {}
+        return {"held-out-accuracy-before": local.received.accuracy, "held-out-loss-before": local.received.loss,
+                "held-out-accuracy-after": local.trained.accuracy, "held-out-examples": float(local.received.examples)}
 
     def _check_architecture(self, config: dict[str, Any]) -> None:
         declared = self.trainer.cfg.architecture
@@ -127,17 +145,45 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
 
     def Evaluate(self, request: edge_pb2.EvaluateRequest, context: grpc.ServicerContext) -> edge_pb2.EvaluateReply:
         with self._lock, _status_on_error(context, "evaluate"):
-            n, metrics = self.trainer.evaluate(from_tensors(request.weights), _config(request.config))
-            return edge_pb2.EvaluateReply(factory_id=self.trainer.cfg.factory_id, num_examples=n, metrics=metrics)
+            config = _config(request.config)
+            self._check_architecture(config)
+            secure = from_values(request.secagg) if request.secagg else None
+            session = self.sessions.get(secure["session"].encode()) if secure else None
+            result = self.trainer.evaluate(from_tensors(request.weights), config)
+            factory_id = self.trainer.cfg.factory_id
+            own = {"held-out-accuracy": result.accuracy, "held-out-loss": result.loss} if self.trainer.cfg.share_metrics else {}
+            if session is None:
+                return edge_pb2.EvaluateReply(factory_id=factory_id, num_examples=result.examples, metrics=own,
+                                              confusion=to_tensor("confusion", result.confusion))
+            session.receive_boxes(dict(zip(secure["from"], secure["boxes"])))
+            layout = SecureLayout.from_fields(secure)
+            contribution = Contribution(num_examples=result.examples, confusion=result.confusion, confusion_group=str(config.get("architecture")))
+            encoded, _ = layout.encode(contribution, secure["clip"], secure["scale"], int(secure["max-weight"]))
+            return edge_pb2.EvaluateReply(factory_id=factory_id, masked=to_tensor("masked", session.mask(encoded, list(secure["alive"]))), metrics=own)
         return edge_pb2.EvaluateReply()
+
+    def Describe(self, request: edge_pb2.DescribeRequest, context: grpc.ServicerContext) -> edge_pb2.DescribeReply:
+        with _status_on_error(context, "describe"):
+            info = self.trainer.describe(_config(request.config))
+            return edge_pb2.DescribeReply(factory_id=self.trainer.cfg.factory_id, architecture=self.trainer.cfg.architecture, fits=info["fits"],
+                                          reason=info["reason"], data_source=info["data-source"], class_counts=info.get("class-counts", []))
+        return edge_pb2.DescribeReply()
 
     def Health(self, request: edge_pb2.HealthRequest, context: grpc.ServicerContext) -> edge_pb2.HealthReply:
         t = self.trainer
+        figures = {k: float(v) for k, v in t.last_figures.items() if isinstance(v, (int, float))}
         return edge_pb2.HealthReply(
-            factory_id=t.cfg.factory_id, status="serving", num_examples=len(t.train_data), data_source=t.cfg.data,
-            uptime_seconds=time.time() - t.started, pid=os.getpid(), skipped_files=[p for p, _ in t.report.skipped],
-            privacy=t.privacy_status(), architecture=t.cfg.architecture,
+            factory_id=t.cfg.factory_id, status="serving", num_examples=sum(t.data.counts().values()), data_source=t.data.source.description,
+            uptime_seconds=time.time() - t.started, pid=os.getpid(), skipped_files=[p for p, _ in t.data.report.skipped],
+            privacy=t.privacy_status(), architecture=t.cfg.architecture, figures=figures,
+            serving=self.serving_description() if self.serving_description else "",
         )
+
+
+def _classes(config: dict[str, Any]) -> tuple[str, ...]:
+    from client.data import DataRequest
+
+    return DataRequest.from_config(config).classes
 
 
 class _status_on_error:
@@ -158,7 +204,7 @@ class _status_on_error:
         if isinstance(exc, (BudgetExhausted, DPConfigError)):
             log.warning("%s refused: %s", self.what, exc)
             self.context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        if isinstance(exc, (UpdateError, SecAggProtocolError, ProxySetError, KeyError)):
+        if isinstance(exc, (UpdateError, SecAggProtocolError, ProxySetError, DatasetError, KeyError, ValueError)):
             log.warning("%s refused: %s", self.what, exc)
             self.context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         log.exception("%s failed", self.what)
@@ -182,11 +228,35 @@ class Agent:
         self.trainer.close()
 
 
+def personal_chooser(trainer: FactoryTrainer, lock: threading.Lock) -> Any:
+    """Serve the personal model instead of the approved global one only when it scores better on the held-out split."""
+    from client.trainer import model_for_weights
+    from common.models import weights_of
+
+    def choose(version_id: str, architecture: str, request: Any, global_model: Any) -> tuple[str, Any, str]:
+        assert trainer.personal is not None
+        found = trainer.personal.get(architecture)
+        if found is None or found[1].request != request:
+            return version_id, global_model, "global model (no personal model for this input yet)"
+        weights, record = found
+        with lock:  # the same caches the training thread uses
+            g = trainer.score(architecture, weights_of(global_model), request)
+            p = trainer.score(architecture, weights, request)
+        if p > g:
+            return (f"personal:{record.server_round}@{version_id}", model_for_weights(weights, architecture, request),
+                    f"personal model of round {record.server_round} scores {p:.4f} on this factory's held-out images, "
+                    f"the global {version_id[:8]} {g:.4f} ({p - g:+.4f})")
+        return version_id, global_model, f"global {version_id[:8]} scores {g:.4f} on this factory's held-out images, the personal model {p:.4f}"
+
+    return choose
+
+
 def serve(cfg: AgentConfig) -> Agent:
     """Load the factory's data, start its worker group, and serve on ``cfg.listen``."""
     trainer = FactoryTrainer(cfg)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
-    edge_pb2_grpc.add_EdgeAgentServicer_to_server(EdgeAgentServicer(trainer), server)
+    servicer = EdgeAgentServicer(trainer)
+    edge_pb2_grpc.add_EdgeAgentServicer_to_server(servicer, server)
     follower = None
     if cfg.registry:
         from client.inspection import ApprovalFollower, InspectionServicer, ServingModel
@@ -197,7 +267,10 @@ def serve(cfg: AgentConfig) -> Agent:
         edge_pb2_grpc.add_InspectionServicer_to_server(InspectionServicer(serving), server)
         credentials = grpc.ssl_channel_credentials(Path(cfg.registry_ca).read_bytes()) if cfg.registry_ca else None
         client = ModelClient(cfg.registry, load_public(cfg.registry_public_key), Path(cfg.state_dir) / "models", credentials)
-        follower = ApprovalFollower(client, serving, cfg.architecture)  # a factory serves its own architecture's line
+        chooser = personal_chooser(trainer, servicer._lock) if cfg.personalize else None
+        follower = ApprovalFollower(client, serving, cfg.architecture, chooser)  # a factory serves its own architecture's line
+        servicer.after_round = follower.reconsider
+        servicer.serving_description = lambda: f"{serving.current().label}: {serving.description}" if serving.version else ""
     if server.add_insecure_port(cfg.listen) == 0 and not cfg.listen.startswith("unix:"):
         raise RuntimeError(f"edge agent could not listen on {cfg.listen}")
     server.start()

@@ -129,14 +129,19 @@ def train(msg: Message, context: Context) -> Message:
     if reply.HasField("predictions"):
         content["predictions"] = ArrayRecord(OrderedDict(
             probabilities=Array(from_tensor(reply.predictions)), **{"class-counts": Array(from_tensor(reply.class_counts))}))
+    if reply.HasField("confusion"):
+        content["evaluation"] = ArrayRecord(OrderedDict(confusion=Array(from_tensor(reply.confusion))))
     return Message(content=content, reply_to=msg)
 
 
 @app.query("describe")
 def describe(msg: Message, context: Context) -> Message:
-    """Who this factory is and which model it trains (the server groups factories by architecture)."""
-    reply = _call(context, "Health", edge_pb2.HealthRequest())
-    info = ConfigRecord({"factory-id": reply.factory_id, "architecture": reply.architecture})
+    """Who this factory is, which model it trains, and whether its classes fit the run's list."""
+    config = struct_pb2.Struct()
+    config.update(dict(msg.content["config"]) if "config" in msg.content else {})
+    reply = _call(context, "Describe", edge_pb2.DescribeRequest(config=config))
+    info = ConfigRecord({"factory-id": reply.factory_id, "architecture": reply.architecture, "fits": bool(reply.fits), "reason": reply.reason,
+                         "data-source": reply.data_source, **({"class-counts": list(reply.class_counts)} if reply.class_counts else {})})
     return Message(content=RecordDict({"info": info}), reply_to=msg)
 
 
@@ -153,11 +158,17 @@ def proxy(msg: Message, context: Context) -> Message:
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
+    ahead = _next_session_stage(msg, context)
     tensors, config, server_round = _request_parts(msg)
-    request = edge_pb2.EvaluateRequest(run_id=str(context.run_id), server_round=server_round, weights=tensors, config=config)
+    secagg = to_values(dict(msg.content["secagg"])) if "secagg" in msg.content else {}
+    request = edge_pb2.EvaluateRequest(run_id=str(context.run_id), server_round=server_round, weights=tensors, config=config, secagg=secagg)
     reply = _call(context, "Evaluate", request)
-    metrics = MetricRecord({**dict(reply.metrics), "num-examples": int(reply.num_examples)})
-    content = RecordDict({"metrics": metrics, "info": ConfigRecord({"factory-id": reply.factory_id})})
+    content = RecordDict({"metrics": MetricRecord({**dict(reply.metrics), "num-examples": int(reply.num_examples)}),
+                          "info": ConfigRecord({"factory-id": reply.factory_id}), **ahead})
+    if reply.HasField("masked"):
+        content["arrays"] = ArrayRecord(OrderedDict(masked=Array(from_tensor(reply.masked))))
+    elif reply.HasField("confusion"):
+        content["evaluation"] = ArrayRecord(OrderedDict(confusion=Array(from_tensor(reply.confusion))))
     return Message(content=content, reply_to=msg)
 
 

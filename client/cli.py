@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from client.config import AgentConfig
+from client.config import DEFAULT_CLASSES, AgentConfig
 from common.procs import ProcessSet, supernode_env
 
 log = logging.getLogger("fedforge.client")
@@ -23,7 +23,17 @@ def agent_options(f):  # type: ignore[no-untyped-def]
     options = [
         click.option("--factory-id", required=True, help="This factory's name, as the server and dashboard show it."),
         click.option("--agent-listen", default="127.0.0.1:50061", help="Where the edge agent serves gRPC (host:port or unix:/path)."),
-        click.option("--data", default="synthetic", help="'synthetic' or an image folder with one sub-folder per class."),
+        click.option("--data", default="synthetic", help="'synthetic' or an image folder with one sub-folder per class (any format Pillow reads)."),
+        click.option("--classes", default=DEFAULT_CLASSES, help="Comma-separated class names this factory's folders may be named after "
+                     "(the federation's class list); an unknown folder name is refused at start."),
+        click.option("--class-alias", "class_alias", multiple=True, help="FOLDER=CLASS: a folder that holds a class under another name, "
+                     "e.g. --class-alias good=ok (repeatable)."),
+        click.option("--memory-limit-mb", default=2048, type=click.IntRange(0), help="Decoded images kept in memory; a larger folder is "
+                     "streamed from disk batch by batch."),
+        click.option("--share-metrics/--no-share-metrics", default=False, help="Send this factory's own figures (held-out accuracy, loss) "
+                     "to the central site; without it only federation-wide sums leave the factory."),
+        click.option("--personalize/--no-personalize", default=True, help="Keep the global model fine-tuned on this factory's images; "
+                     "Inspection serves it when it scores better on the held-out split."),
         click.option("--factory-index", default=0, type=int, help="Synthetic data: which partition this factory holds."),
         click.option("--num-factories", default=3, type=int, help="Synthetic data: number of partitions."),
         click.option("--data-seed", default=0, type=int, help="Synthetic data: seed."),
@@ -52,14 +62,11 @@ def agent_options(f):  # type: ignore[no-untyped-def]
 
 
 def _agent_config(kw: dict) -> AgentConfig:
+    """The agent's typed configuration from the command's options (every option is a field of the same name)."""
+    fields = {("listen" if k == "agent_listen" else k): v for k, v in kw.items()}
+    fields["class_alias"] = tuple(fields.get("class_alias") or ())
     try:
-        return AgentConfig(
-            factory_id=kw["factory_id"], listen=kw["agent_listen"], data=kw["data"], factory_index=kw["factory_index"],
-            num_factories=kw["num_factories"], data_seed=kw["data_seed"], alpha=kw["alpha"], train_size=kw["train_size"],
-            torch_threads=kw["torch_threads"], architecture=kw["architecture"], registry=kw["registry"], registry_public_key=kw["registry_public_key"], parallelism=kw["parallelism"], local_world_size=kw["local_world_size"], state_dir=kw["state_dir"], dp=kw["dp"], dp_epsilon=kw["dp_epsilon"],
-            dp_delta=kw["dp_delta"], dp_max_grad_norm=kw["dp_max_grad_norm"], dp_planned_rounds=kw["dp_planned_rounds"],
-            dp_grad_sample_mode=kw["dp_grad_sample_mode"], dp_fix_model=kw["dp_fix_model"],
-        ).validated()
+        return AgentConfig(**fields).validated()
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
 

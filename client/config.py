@@ -1,8 +1,17 @@
-"""Edge agent configuration: one typed dataclass, filled from flags, FEDFORGE_* env vars or TOML."""
+"""Edge agent configuration: one typed dataclass, filled from flags, FEDFORGE_* env vars or TOML.
+
+Everything here is the factory's own decision: the server's messages can ask for a class list, an
+image size or a learning rate, but never change what the factory's data holds, its privacy budget,
+or whether its own figures leave the site.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from common.data.synth import CLASSES
+
+DEFAULT_CLASSES = ",".join(CLASSES)
 
 
 @dataclass(frozen=True)
@@ -10,18 +19,22 @@ class AgentConfig:
     factory_id: str
     listen: str = "127.0.0.1:50061"  # host:port or unix:/path
     data: str = "synthetic"  # "synthetic" or the path of an image folder (one sub-folder per class)
+    classes: str = DEFAULT_CLASSES  # the class names this factory's folders may have (comma-separated)
+    class_alias: tuple[str, ...] = ()  # "FOLDER=CLASS" renames, e.g. "good=ok"
+    memory_limit_mb: int = 2048  # decoded images kept in memory; above this the factory streams from disk
     factory_index: int = 0  # which synthetic partition this factory holds
     num_factories: int = 3
     data_seed: int = 0
     alpha: float = 1.0
     train_size: int = 600
-    image_size: int = 64
-    val_fraction: float = 0.1
+    val_fraction: float = 0.1  # held out (stratified) for evaluating global models here
     torch_threads: int = 1
     architecture: str = ""  # the model this factory trains; empty: the server's run config decides
     parallelism: str = "none"  # none | ddp | fsdp
     local_world_size: int = 1  # ranks of the DDP/FSDP worker group
-    state_dir: str = "fedforge-factory"  # durable factory state (the privacy ledger, pulled models)
+    state_dir: str = "fedforge-factory"  # durable factory state (privacy ledger, feature cache, pulled models)
+    share_metrics: bool = False  # send this factory's own figures to the centre (else only federation-wide sums)
+    personalize: bool = True  # keep a locally fine-tuned model; inspection serves it when it validates better
     registry: str = ""  # the central ModelRegistry (host:port); with it, the agent serves Inspection
     registry_public_key: str = ""  # the central site's pinned signing.pub
     registry_ca: str = ""  # CA certificate for TLS to the registry (empty: plain gRPC on a trusted network)
@@ -36,6 +49,12 @@ class AgentConfig:
 
     def validated(self) -> AgentConfig:
         self.privacy_budget()  # raises ValueError naming the bad --dp-* option
+        from common.data.classes import parse_aliases, parse_classes
+
+        classes = parse_classes(self.classes)
+        aliases = parse_aliases(self.class_alias)
+        if unknown := sorted({c for c in aliases.values() if c not in classes}):
+            raise ValueError(f"--class-alias targets {unknown} are not in --classes {list(classes)}")
         return self
 
     def privacy_budget(self):  # type: ignore[no-untyped-def]
@@ -45,13 +64,21 @@ class AgentConfig:
             return None
         return PrivacyBudget(self.dp_epsilon, self.dp_delta, self.dp_max_grad_norm, self.dp_planned_rounds, self.dp_grad_sample_mode)
 
+    @property
+    def memory_limit(self) -> int:
+        return int(self.memory_limit_mb) << 20
+
     def __post_init__(self) -> None:
         if not self.factory_id or any(c.isspace() or c in "'\"" for c in self.factory_id):
             raise ValueError(f"factory id {self.factory_id!r} must be non-empty, without spaces or quotes")
+        if isinstance(self.class_alias, str):  # one alias from an env var or the node config
+            object.__setattr__(self, "class_alias", tuple(a for a in self.class_alias.split(",") if a))
         if self.parallelism not in ("none", "ddp", "fsdp"):
             raise ValueError(f"--parallelism must be none, ddp or fsdp, got {self.parallelism!r}")
         if self.local_world_size < 1:
             raise ValueError(f"--local-world-size must be >= 1, got {self.local_world_size}")
+        if self.memory_limit_mb < 0:
+            raise ValueError(f"--memory-limit-mb must be >= 0, got {self.memory_limit_mb}")
         if bool(self.registry) != bool(self.registry_public_key):
             raise ValueError("--registry and --registry-public-key go together: models are only loaded after verification")
         if self.architecture:

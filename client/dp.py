@@ -10,13 +10,15 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset
 
-from common.data.datasets import ImageDataset
+from common.data.datasets import ImageSet
 from common.training import TrainConfig, TrainResult, make_optimizer, warmup_cosine
 
 
@@ -46,12 +48,43 @@ def check_dp_compatible(model: nn.Module, fix: bool = False) -> nn.Module:
     )
 
 
-def sample_rate(num_examples: int, batch_size: int) -> float:
-    return min(1.0, batch_size / max(1, num_examples))
+@dataclass(frozen=True)
+class DPPlan:
+    """What the factory's budget allows this round: the noise, the clipping bound, the sampling rate."""
+
+    noise_multiplier: float
+    max_grad_norm: float
+    sample_rate: float
+    grad_sample_mode: str = "hooks"
 
 
 def steps_per_epoch(num_examples: int, batch_size: int) -> int:
-    return max(1, int(round(1.0 / sample_rate(num_examples, batch_size))))
+    """The batches of Opacus' Poisson loader per epoch: len(DataLoader) = ceil(n / B)."""
+    return max(1, math.ceil(max(1, num_examples) / batch_size))
+
+
+def sample_rate(num_examples: int, batch_size: int) -> float:
+    """Opacus' Poisson sampling rate for that loader: q = 1 / len(DataLoader) (what the ledger must charge)."""
+    return 1.0 / steps_per_epoch(num_examples, batch_size)
+
+
+class ImageSetDataset(Dataset):
+    """An `ImageSet` as a torch Dataset; batches are fetched in one call (``__getitems__``), so a
+    streamed folder decodes exactly the sampled images."""
+
+    def __init__(self, data: ImageSet) -> None:
+        self.data = data
+        self.labels = torch.from_numpy(np.asarray(data.labels, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.from_numpy(self.data.images_at(np.array([i]))[0]), self.labels[i]
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        images = torch.from_numpy(self.data.images_at(np.asarray(indices, dtype=np.int64)))
+        return [(images[j], self.labels[i]) for j, i in enumerate(indices)]
 
 
 def _urandom_generator() -> torch.Generator:
@@ -84,13 +117,11 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Dat
     return private_model, private_opt, criterion, private_loader
 
 
-def train_private(model: nn.Module, data: ImageDataset, cfg: TrainConfig, noise_multiplier: float, max_grad_norm: float,
-                  grad_sample_mode: str = "hooks") -> TrainResult:
+def train_private(model: nn.Module, data: ImageSet, cfg: TrainConfig, plan: DPPlan) -> TrainResult:
     """Train ``model`` (a plain module; its weights change in place) with DP-SGD for ``cfg.epochs``."""
-    dataset = TensorDataset(torch.from_numpy(data.images), torch.from_numpy(data.labels))
-    loader = DataLoader(dataset, batch_size=cfg.batch_size, generator=_urandom_generator())
+    loader = DataLoader(ImageSetDataset(data), batch_size=cfg.batch_size, generator=_urandom_generator())
     private_model, private_opt, criterion, private_loader = make_private(
-        model, make_optimizer(model, cfg), loader, noise_multiplier, max_grad_norm, grad_sample_mode, poisson_sampling=True
+        model, make_optimizer(model, cfg), loader, plan.noise_multiplier, plan.max_grad_norm, plan.grad_sample_mode, poisson_sampling=True
     )
     return run_dp_epochs(private_model, private_opt, criterion, private_loader, cfg, examples=len(data), step_on_empty=False)
 
@@ -107,6 +138,10 @@ def run_dp_epochs(private_model: nn.Module, private_opt: Any, criterion: Any, pr
     schedule = torch.optim.lr_scheduler.LambdaLR(private_opt.original_optimizer, lambda s: warmup_cosine(s, total, cfg.warmup_fraction))
     private_model.train()
     device = next(iter(private_model.parameters())).device
+    params = [p for p in private_model.parameters() if p.requires_grad]
+    # FedProx under DP: the proximal gradient mu (w - w_global) does not depend on any example, so it is
+    # applied as its own (decoupled) step after the private one and costs no privacy.
+    anchor = [p.detach().clone() for p in params] if cfg.proximal_mu > 0 else []
     loss_sum, correct, seen, steps = 0.0, 0, 0, 0
     for epoch in range(cfg.epochs):
         if on_epoch is not None:
@@ -122,6 +157,11 @@ def run_dp_epochs(private_model: nn.Module, private_opt: Any, criterion: Any, pr
             private_opt.zero_grad(set_to_none=True)
             loss.backward()
             private_opt.step()
+            if anchor:
+                with torch.no_grad():
+                    lr = private_opt.original_optimizer.param_groups[0]["lr"]
+                    for p, a in zip(params, anchor):
+                        p.sub_(lr * cfg.proximal_mu * (p - a))
             schedule.step()
             steps += 1
             if len(y):

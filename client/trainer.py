@@ -1,156 +1,259 @@
-"""What a factory does with a global model: train it on local data, evaluate it, report metrics.
+"""What a factory does with a global model: evaluate it on its held-out images, train it, report.
 
 This is the library the edge agent serves over gRPC and that the ClientApp calls in-process when no
-agent is configured (simulation, unit tests). Data is loaded once, in the constructor.
+agent is configured (simulation, unit tests). A round reads top to bottom in `FactoryTrainer.train`:
+prepare the model and data the run asks for, evaluate the received global model on the held-out
+split (federated evaluation rides on the train message), charge the privacy ledger, train (in
+process, in the DDP/FSDP worker group, or with DP-SGD), evaluate the result (personalisation), check
+the new weights, report.
+
+For the pretrained family the frozen backbone's features are computed once per image and cached
+(`common.features`), so training and evaluation run on the head alone.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict
-from pathlib import Path
 from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from client.config import AgentConfig
+from client.data import DataRequest, FactoryData, fit_reason, open_source
+from client.dp import DPPlan, check_dp_compatible, steps_per_epoch, sample_rate, train_private
 from client.parallel import apply_activation_checkpointing
-from client.dp import check_dp_compatible, sample_rate, steps_per_epoch, train_private
+from client.personal import PersonalModels
 from client.privacy import PrivacyLedger, noise_for_budget
 from client.workers import Job, WorkerGroup
 from common.data import datasets
-from common.data.datasets import ImageDataset
-from common.data.folder import FolderReport, load_image_folder
+from common.data.datasets import ImageSet
+from common.data.folder import DatasetError
 from common.distill import ProxySet, balanced_predictions, predict_proxy
-from common.models import build_model, weights_of
+from common.features import FeatureCache, array_keys, features_of
+from common.models import build_model, federated_part, is_pretrained, load_weights
 from common.tensors import UpdateError, check_like
-from common.training import TrainConfig, TrainResult, evaluate, set_torch_threads, train
+from common.training import EvalResult, TrainConfig, TrainResult, evaluate, set_torch_threads, train
 
 log = logging.getLogger(__name__)
 
 
-def load_factory_data(cfg: AgentConfig) -> tuple[ImageDataset, FolderReport]:
-    if cfg.data == "synthetic":
-        spec = datasets.SyntheticSpec(
-            seed=cfg.data_seed, num_factories=cfg.num_factories, alpha=cfg.alpha, train_size=cfg.train_size, image_size=cfg.image_size
-        )
-        data = datasets.factory_dataset(spec, cfg.factory_index)
-        return data, FolderReport(loaded=len(data))
-    return load_image_folder(cfg.data, size=cfg.image_size)
-
-
-def split_validation(data: ImageDataset, fraction: float, seed: int) -> tuple[ImageDataset, ImageDataset]:
-    order = np.random.default_rng(seed).permutation(len(data))
-    n_val = int(round(len(data) * fraction))
-    val, tr = order[:n_val], order[n_val:]
-    return (
-        ImageDataset(data.images[tr], data.labels[tr], data.classes),
-        ImageDataset(data.images[val], data.labels[val], data.classes),
-    )
-
-
 def train_config_from(config: dict[str, Any], server_round: int) -> TrainConfig:
-    """The server's training options; unknown keys are ignored, bad values raise naming the key."""
+    """The run's training options (`TrainConfig`'s keys); bad values raise naming the key."""
     try:
-        return TrainConfig(
-            epochs=int(config.get("local-epochs", 2)),
-            batch_size=int(config.get("batch-size", 16)),
-            lr=float(config.get("lr", 1e-3)),
-            optimizer=str(config.get("optimizer", "adamw")),
-            weight_decay=float(config.get("weight-decay", 1e-4)),
-            grad_clip=float(config.get("grad-clip", 5.0)),
-            augment=bool(config.get("augment", False)),
-            bf16=bool(config.get("bf16", False)),
-            activation_checkpointing=bool(config.get("activation-checkpointing", False)),
-            seed=int(config.get("seed", 0)) * 100_003 + server_round,
-        )
+        return TrainConfig.from_run_config(config, seed=int(config.get("seed", 0)) * 100_003 + server_round)
     except (TypeError, ValueError) as exc:
         raise UpdateError(f"invalid training config from the server: {exc}") from exc
 
 
+def data_request_from(config: dict[str, Any]) -> DataRequest:
+    try:
+        return DataRequest.from_config(config)
+    except (TypeError, ValueError) as exc:
+        raise UpdateError(f"invalid data config from the server: {exc}") from exc
+
+
+@dataclass
+class Prepared:
+    """A model holding the global weights, the module that trains, and the data it trains and is judged on."""
+
+    architecture: str
+    model: nn.Module  # the whole model
+    trainable: nn.Module  # the model itself, or its head (trained over cached backbone features)
+    train_set: ImageSet  # images, or their features
+    held_out: ImageSet
+    request: DataRequest
+
+
+@dataclass
+class LocalRound:
+    weights: OrderedDict[str, np.ndarray]  # the new federated weights
+    examples: int
+    received: EvalResult | None  # the global model it was sent, on this factory's held-out split
+    trained: EvalResult | None  # the model it trained, on the same split (the personal model)
+    metrics: dict[str, float]  # train-loss, train-accuracy, steps, train-seconds, eval-seconds
+    privacy: dict[str, float]  # epsilon spent / remaining / max, delta, noise multiplier (DP rounds)
+
+
 class FactoryTrainer:
-    """One factory's warm state: its data, and a model instance per architecture."""
+    """One factory's warm state: its data, feature cache, models, privacy ledger and worker group."""
 
     def __init__(self, cfg: AgentConfig) -> None:
         set_torch_threads(cfg.torch_threads)
         self.cfg = cfg
         self.started = time.time()
-        data, self.report = load_factory_data(cfg)
-        self.train_data, self.val_data = split_validation(data, cfg.val_fraction, seed=cfg.data_seed)
-        self._models: dict[str, torch.nn.Module] = {}
+        spec = datasets.SyntheticSpec(seed=cfg.data_seed, num_factories=cfg.num_factories, alpha=cfg.alpha, train_size=cfg.train_size)
+        source = open_source(cfg.data, cfg.classes, cfg.class_alias, spec, cfg.factory_index)
+        self.data = FactoryData(source, cfg.val_fraction, cfg.data_seed, cfg.memory_limit)
+        state = Path(cfg.state_dir)
+        self.features = FeatureCache(state / "features.db")
+        self._feature_sets: dict[tuple[str, DataRequest], tuple[ImageSet, ImageSet]] = {}
+        self._models: dict[tuple[str, int, int], nn.Module] = {}
         self.budget = cfg.privacy_budget()
-        self.ledger = PrivacyLedger(Path(cfg.state_dir) / "privacy-ledger.db", cfg.factory_id) if self.budget else None
+        self.ledger = PrivacyLedger(state / "privacy-ledger.db", cfg.factory_id) if self.budget else None
+        self.personal = PersonalModels(state / "personal") if cfg.personalize else None
         self.workers = WorkerGroup(cfg, cfg.parallelism, cfg.local_world_size) if cfg.parallelism != "none" else None
-        log.info("factory %s: %d training and %d validation images from %s", cfg.factory_id, len(self.train_data), len(self.val_data), cfg.data)
+        self.last_figures: dict[str, Any] = {}  # this factory's own latest evaluation (Health, logs)
+        counts = self.data.counts()
+        log.info("factory %s: %d images from %s (%s)", cfg.factory_id, sum(counts.values()), source.description,
+                 ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
 
-    def _model_with(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any], fresh: bool = False) -> torch.nn.Module:
-        architecture = str(config.get("architecture", "cnn-small"))
-        model = None if fresh else self._models.get(architecture)
+    # what the server learns when it first meets this factory ------------------------------------
+    def describe(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Whether this factory's classes fit the run's class list (and why not); its counts only with --share-metrics."""
+        request = data_request_from(config)
+        reason = fit_reason(self.data.source, request.classes)
+        out: dict[str, Any] = {"fits": not reason, "reason": reason, "data-source": self.data.source.kind}
+        if self.cfg.share_metrics:
+            counts = self.data.counts()
+            out["class-counts"] = [int(counts.get(c, 0)) for c in request.classes]
+        return out
+
+    # preparing a model and its data ---------------------------------------------------------
+    def _model(self, architecture: str, classes: int, channels: int, fresh: bool) -> nn.Module:
+        key = (architecture, classes, channels)
+        model = None if fresh else self._models.get(key)
         if model is None:
             try:
-                model = build_model(architecture, num_classes=len(self.train_data.classes))
+                model = build_model(architecture, num_classes=classes, in_channels=channels)
             except ValueError as exc:
                 raise UpdateError(str(exc)) from exc
             if not fresh:
-                self._models[architecture] = model
-        reference = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-        check_like(reference, weights, source="global model from the server")
-        model.load_state_dict({k: torch.from_numpy(np.asarray(v, dtype=reference[k].dtype)) for k, v in weights.items()})
+                self._models[key] = model
         return model
 
-    def train(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any], server_round: int, run_id: str = "") -> tuple[OrderedDict[str, np.ndarray], int, dict[str, float]]:
-        cfg = train_config_from(config, server_round)
-        model = self._model_with(weights, config, fresh=self.budget is not None)
-        if cfg.activation_checkpointing:
-            apply_activation_checkpointing(model)
-        if self.budget is not None:
-            model = check_dp_compatible(model, fix=self.cfg.dp_fix_model)
-        before = evaluate(model, self.val_data) if len(self.val_data) else None
-        t0 = time.perf_counter()
-        privacy, dp_job = self._charge_privacy(model, cfg, config, server_round, run_id) if self.budget else ({}, None)
-        if self.workers is not None:
-            out = self.workers.run(Job(weights=dict(weights), architecture=str(config.get("architecture", "cnn-small")),
-                                       train=asdict(cfg), dp=dp_job))
-            new, result = out["weights"], TrainResult(out["loss"], out["accuracy"], out["steps"], out["examples"])
-        else:
-            if dp_job is None:
-                result = train(model, self.train_data, cfg)
-            else:
-                result = train_private(model, self.train_data, cfg, dp_job["noise_multiplier"], dp_job["max_grad_norm"], dp_job["grad_sample_mode"])
-            new = weights_of(model)
-        seconds = time.perf_counter() - t0
-        check_like(weights, new, source=f"factory {self.cfg.factory_id} local training")
-        metrics = {"train-loss": result.loss, "train-accuracy": result.accuracy, "train-seconds": seconds, "steps": float(result.steps), **privacy}
-        if before is not None:
-            metrics |= {"val-accuracy-before": before.accuracy, "val-loss-before": before.loss}
-        return new, result.examples, metrics
+    def prepare(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any], fresh: bool = False) -> Prepared:
+        """The global ``weights`` in a model of the run's architecture, and the data for the run's request."""
+        architecture = str(config.get("architecture", "cnn-small"))
+        request = data_request_from(config)
+        try:
+            split = self.data.split(request)
+        except DatasetError as exc:
+            raise UpdateError(f"factory {self.cfg.factory_id}: {exc}") from exc
+        model = self._model(architecture, len(request.classes), request.channels, fresh)
+        trainable = federated_part(model)
+        reference = {k: v.detach().numpy() for k, v in trainable.state_dict().items()}
+        check_like(reference, weights, source="global model from the server")
+        load_weights(model, {k: np.asarray(v, dtype=reference[k].dtype) for k, v in weights.items()})
+        train_set, held_out = split.train, split.held_out
+        if is_pretrained(architecture):
+            train_set, held_out = self._features(model, request, split.train, split.held_out)
+        return Prepared(architecture, model, trainable, train_set, held_out, request)
 
-    def _charge_privacy(self, model: torch.nn.Module, cfg: TrainConfig, config: dict[str, Any], server_round: int, run_id: str) -> tuple[dict[str, float], dict[str, Any]]:
-        """Charge the ledger for this round (or refuse it with `BudgetExhausted`) before any training."""
+    def _features(self, model: nn.Module, request: DataRequest, train_set: ImageSet, held_out: ImageSet) -> tuple[ImageSet, ImageSet]:
+        """Backbone features of the split (cached on disk by backbone and image content; kept in memory per request)."""
+        ident = model.backbone.spec.ident  # type: ignore[union-attr]
+        key = (ident, request)
+        if key not in self._feature_sets:
+            t0 = time.perf_counter()
+            self._feature_sets = {key: (features_of(train_set, ident, model.encode, self.features),  # type: ignore[operator]
+                                        features_of(held_out, ident, model.encode, self.features))}  # type: ignore[operator]
+            log.info("backbone features for %d + %d images ready in %.1fs (cache hits %d, misses %d, rebuilt %d)", len(train_set), len(held_out),
+                     time.perf_counter() - t0, self.features.hits, self.features.misses, self.features.rebuilt)
+        return self._feature_sets[key]
+
+    # one round ------------------------------------------------------------------------------
+    def train(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any], server_round: int, run_id: str = "") -> LocalRound:
+        cfg = train_config_from(config, server_round)
+        prep = self.prepare(weights, config, fresh=self.budget is not None)
+        t0 = time.perf_counter()
+        received = evaluate(prep.trainable, prep.held_out) if len(prep.held_out) else None
+        eval_seconds = time.perf_counter() - t0
+        trainable = prep.trainable
+        if cfg.activation_checkpointing:
+            apply_activation_checkpointing(trainable)
+        if self.budget is not None:
+            trainable = check_dp_compatible(trainable, fix=self.cfg.dp_fix_model)
+        privacy, dp_plan = self._charge_privacy(len(prep.train_set), cfg, config, server_round, run_id) if self.budget else ({}, None)
+        t1 = time.perf_counter()
+        if self.workers is not None and not is_pretrained(prep.architecture):
+            out = self.workers.run(Job(weights=dict(weights), architecture=prep.architecture, train=asdict(cfg), request=prep.request,
+                                       dp=asdict(dp_plan) if dp_plan else None, fix_model=self.cfg.dp_fix_model))
+            new, result = out["weights"], TrainResult(out["loss"], out["accuracy"], out["steps"], out["examples"])
+            load_weights(prep.model, new)
+        else:
+            if dp_plan is None:
+                result = train(trainable, prep.train_set, cfg)
+            else:
+                result = train_private(trainable, prep.train_set, cfg, dp_plan)
+            new = OrderedDict((k, v.detach().cpu().numpy().copy()) for k, v in trainable.state_dict().items())
+        train_seconds = time.perf_counter() - t1
+        check_like(weights, new, source=f"factory {self.cfg.factory_id} local training")
+        trained = evaluate(trainable, prep.held_out) if len(prep.held_out) else None
+        self._remember(prep, new, received, trained, server_round)
+        metrics = {"train-loss": result.loss, "train-accuracy": result.accuracy, "steps": float(result.steps),
+                   "train-seconds": train_seconds, "eval-seconds": eval_seconds}
+        return LocalRound(new, result.examples, received, trained, metrics, privacy)
+
+    def _remember(self, prep: Prepared, new: OrderedDict[str, np.ndarray], received: EvalResult | None, trained: EvalResult | None,
+                  server_round: int) -> None:
+        """This factory's own figures (log, Health), and its personal model when it validates better."""
+        if received is None or trained is None:
+            return
+        self.last_figures = {"round": server_round, "held-out": received.examples, "global-accuracy": received.accuracy,
+                             "local-accuracy": trained.accuracy}
+        log.info("round %d: the global model scores %.4f on this factory's %d held-out images; after local training %.4f",
+                 server_round, received.accuracy, received.examples, trained.accuracy)
+        if self.personal is not None:
+            self.personal.offer(prep.architecture, prep.request, new, trained.accuracy, received.accuracy, server_round)
+
+    def _charge_privacy(self, n: int, cfg: TrainConfig, config: dict[str, Any], server_round: int, run_id: str) -> tuple[dict[str, float], DPPlan]:
+        """Charge the ledger for this round (or refuse it with `BudgetExhausted`) before any training.
+
+        The sample rate and step count are exactly those of the Poisson loader Opacus builds
+        (q = 1 / ceil(n / B), ceil(n / B) steps per epoch), so the ledger never under-counts.
+        """
         assert self.budget is not None and self.ledger is not None
         ignored = sorted(k for k in config if k.startswith("dp-") or k in ("noise-multiplier", "max-grad-norm", "epsilon", "delta"))
         if ignored:
             log.warning("ignoring privacy settings sent by the server %s: the budget and noise are factory configuration", ignored)
-        n = len(self.train_data)
         rate = sample_rate(n, cfg.batch_size)
         steps = cfg.epochs * steps_per_epoch(n, cfg.batch_size)
         noise = noise_for_budget(self.budget.epsilon_max, self.budget.delta, rate, self.budget.planned_rounds * steps)
         epsilon = self.ledger.charge(self.budget, run_id, server_round, noise, rate, steps)
         mode = "ghost_fsdp" if self.cfg.parallelism == "fsdp" else self.budget.grad_sample_mode
-        job = {"noise_multiplier": noise, "max_grad_norm": self.budget.max_grad_norm, "sample_rate": rate, "grad_sample_mode": mode}
+        plan = DPPlan(noise_multiplier=noise, max_grad_norm=self.budget.max_grad_norm, sample_rate=rate, grad_sample_mode=mode)
         return {
             "epsilon-spent": epsilon, "epsilon-remaining": max(0.0, self.budget.epsilon_max - epsilon), "epsilon-max": self.budget.epsilon_max,
             "delta": self.budget.delta, "noise-multiplier": noise, "dp-steps": float(steps),
-        }, job
+        }, plan
 
-    def close(self) -> None:
-        if self.workers is not None:
-            self.workers.close()
-        if self.ledger is not None:
-            self.ledger.close()
+    # evaluation and distillation ------------------------------------------------------------
+    def evaluate(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any]) -> EvalResult:
+        prep = self.prepare(weights, config)
+        result = evaluate(prep.trainable, prep.held_out)
+        log.info("evaluation: the global model scores %.4f on this factory's %d held-out images", result.accuracy, result.examples)
+        self.last_figures = {**self.last_figures, "final-global-accuracy": result.accuracy, "held-out": result.examples}
+        return result
+
+    def score(self, architecture: str, weights: OrderedDict[str, np.ndarray], request: DataRequest) -> float:
+        """Accuracy of ``weights`` on this factory's held-out split (personalisation's comparison)."""
+        config = {"architecture": architecture, "classes": ",".join(request.classes), "image-size": request.image_size, "channels": request.channels}
+        prep = self.prepare(weights, config)
+        return evaluate(prep.trainable, prep.held_out).accuracy if len(prep.held_out) else 0.0
+
+    def predict(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any], proxy: ProxySet,
+                temperature: float) -> tuple[np.ndarray, np.ndarray]:
+        """Balanced predictions on the proxy set with ``weights`` (the model it just trained), and its class counts."""
+        if not temperature > 0:
+            raise UpdateError(f"distillation temperature must be > 0, got {temperature}")
+        prep = self.prepare(weights, config)
+        if is_pretrained(prep.architecture):
+            ident = prep.model.backbone.spec.ident  # type: ignore[union-attr]
+            feats = features_of(datasets.ImageDataset(proxy.images, np.zeros(len(proxy), dtype=np.int64), prep.request.classes), ident,
+                                prep.model.encode, self.features, keys=array_keys(proxy.images))  # type: ignore[arg-type]
+            probabilities = predict_proxy(prep.trainable, feats.images_at(np.arange(len(feats))), temperature)
+        else:
+            probabilities = predict_proxy(prep.model, proxy, temperature)
+        if not np.isfinite(probabilities).all():  # a diverged local model: never send it into the secure sum
+            raise UpdateError(f"factory {self.cfg.factory_id}: predictions on the proxy set are not finite")
+        counts = np.bincount(np.asarray(prep.train_set.labels), minlength=len(prep.request.classes)).astype(np.float64)
+        return balanced_predictions(probabilities, counts), counts
 
     def privacy_status(self) -> dict[str, float]:
         if self.budget is None or self.ledger is None:
@@ -158,18 +261,14 @@ class FactoryTrainer:
         spent = self.ledger.spent(self.budget.delta)
         return {"epsilon-spent": spent, "epsilon-remaining": max(0.0, self.budget.epsilon_max - spent), "epsilon-max": self.budget.epsilon_max}
 
-    def predict(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any], proxy: ProxySet,
-                temperature: float) -> tuple[np.ndarray, np.ndarray]:
-        """Balanced predictions on the proxy set with ``weights`` (the model it just trained), and its class counts."""
-        if not temperature > 0:
-            raise UpdateError(f"distillation temperature must be > 0, got {temperature}")
-        probabilities = predict_proxy(self._model_with(weights, config), proxy, temperature)
-        if not np.isfinite(probabilities).all():  # a diverged local model: never send it into the secure sum
-            raise UpdateError(f"factory {self.cfg.factory_id}: predictions on the proxy set are not finite")
-        counts = np.bincount(self.train_data.labels, minlength=len(self.train_data.classes)).astype(np.float64)
-        return balanced_predictions(probabilities, counts), counts
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.close()
+        if self.ledger is not None:
+            self.ledger.close()
+        self.features.close()
 
-    def evaluate(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any]) -> tuple[int, dict[str, float]]:
-        model = self._model_with(weights, config)
-        result = evaluate(model, self.val_data)
-        return result.examples, {"val-accuracy": result.accuracy, "val-loss": result.loss}
+
+def model_for_weights(weights: OrderedDict[str, np.ndarray], architecture: str, request: DataRequest) -> torch.nn.Module:
+    """A whole model of ``architecture`` holding federated ``weights`` (inspection, personal models)."""
+    return load_weights(build_model(architecture, len(request.classes), in_channels=request.channels), weights)

@@ -36,7 +36,9 @@ class Job:
     weights: dict[str, np.ndarray]
     architecture: str
     train: dict[str, Any]  # TrainConfig fields
-    dp: dict[str, Any] | None = None  # noise_multiplier, max_grad_norm, sample_rate, grad_sample_mode
+    request: Any = None  # client.data.DataRequest: the run's classes, image size and channels (None: the defaults)
+    dp: dict[str, Any] | None = None  # client.dp.DPPlan fields
+    fix_model: bool = False  # --dp-fix-model: replace layers DP-SGD cannot train instead of refusing
 
 
 class WorkerGroup:
@@ -111,8 +113,18 @@ class WorkerGroup:
 # worker side
 
 
+def factory_data(cfg: AgentConfig) -> Any:
+    """The factory's data as the agent opens it (each worker opens its own; the split is the same everywhere)."""
+    from client.data import FactoryData, open_source
+    from common.data.datasets import SyntheticSpec
+
+    spec = SyntheticSpec(seed=cfg.data_seed, num_factories=cfg.num_factories, alpha=cfg.alpha, train_size=cfg.train_size)
+    return FactoryData(open_source(cfg.data, cfg.classes, cfg.class_alias, spec, cfg.factory_index), cfg.val_fraction, cfg.data_seed,
+                       cfg.memory_limit)
+
+
 def _worker_main(rank: int, world_size: int, port: int, backend: str, cfg: AgentConfig, parallelism: str, jobs: Any, results: Any) -> None:
-    from client.trainer import load_factory_data, split_validation
+    from client.data import DataRequest
     from common.training import set_torch_threads
 
     try:
@@ -121,8 +133,7 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, cfg: Agent
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-        data, _ = load_factory_data(cfg)
-        train_data, _ = split_validation(data, cfg.val_fraction, seed=cfg.data_seed)
+        data = factory_data(cfg)
         results.put((rank, "ok", {"pid": os.getpid()}))
     except Exception as exc:  # noqa: BLE001 - reported to the agent, which restarts the group
         results.put((rank, "error", f"start-up: {type(exc).__name__}: {exc}"))
@@ -132,6 +143,7 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, cfg: Agent
         if job is None:
             break
         try:
+            train_data = data.split(job.request or DataRequest()).train
             out = run_job(job, train_data, parallelism, rank, world_size, backend)
             results.put((rank, "ok", out if rank == 0 else {"digest": out["digest"], "pid": os.getpid()}))
         except Exception as exc:  # noqa: BLE001
@@ -143,16 +155,20 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, cfg: Agent
 
 
 def run_job(job: Job, train_data: Any, parallelism: str, rank: int, world_size: int, backend: str) -> dict[str, Any]:
+    from client.dp import check_dp_compatible
     from client.parallel import apply_activation_checkpointing, apply_ddp, apply_fsdp, full_state_dict
     from common.models import build_model, load_weights
     from common.training import TrainConfig, train
 
     device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
-    model = load_weights(build_model(job.architecture, num_classes=len(train_data.classes)), job.weights)
-    model.to(device)
+    channels = train_data.image_shape[0]
+    model = load_weights(build_model(job.architecture, num_classes=len(train_data.classes), in_channels=channels), job.weights)
     cfg = TrainConfig(**job.train)
-    if cfg.activation_checkpointing:
+    if cfg.activation_checkpointing:  # the same recipe as the in-process path (client.trainer)
         apply_activation_checkpointing(model)
+    if job.dp is not None:
+        model = check_dp_compatible(model, fix=job.fix_model)
+    model.to(device)
     t0 = time.perf_counter()
     if job.dp is None:
         wrapped = apply_ddp(model) if parallelism == "ddp" else apply_fsdp(model)
@@ -170,10 +186,10 @@ def train_private_distributed(model: Any, data: Any, cfg: Any, dp: dict[str, Any
     """DP-SGD across ranks: Poisson sampling on each rank's shard, batches always yielded (possibly empty)."""
     from opacus.data_loader import wrap_collate_with_empty
     from opacus.utils.uniform_sampler import DistributedUniformWithReplacementSampler
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader
     from torch.utils.data._utils.collate import default_collate
 
-    from client.dp import _urandom_generator, make_private, run_dp_epochs
+    from client.dp import ImageSetDataset, _urandom_generator, make_private, run_dp_epochs
     from common.training import make_optimizer
 
     class AlwaysYieldSampler(DistributedUniformWithReplacementSampler):
@@ -186,10 +202,10 @@ def train_private_distributed(model: Any, data: Any, cfg: Any, dp: dict[str, Any
                 mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
                 yield indices[mask.nonzero(as_tuple=False).reshape(-1)].tolist()
 
-    dataset = TensorDataset(torch.from_numpy(data.images), torch.from_numpy(data.labels))
+    dataset = ImageSetDataset(data)
     sampler = AlwaysYieldSampler(total_size=len(dataset), sample_rate=dp["sample_rate"], generator=_urandom_generator())
-    h, w = data.images.shape[2:]
-    collate = wrap_collate_with_empty(collate_fn=default_collate, sample_empty_shapes=[(0, 1, h, w), (0,)], dtypes=[torch.float32, torch.int64])
+    collate = wrap_collate_with_empty(collate_fn=default_collate, sample_empty_shapes=[(0, *data.image_shape), (0,)],
+                                      dtypes=[torch.float32, torch.int64])
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
     private_model, private_opt, criterion, private_loader = make_private(
         model, make_optimizer(model, cfg), loader, dp["noise_multiplier"], dp["max_grad_norm"], dp.get("grad_sample_mode", "hooks"),

@@ -40,6 +40,9 @@ MODEL_COMMANDS: dict[str, str] = {
 }
 
 
+QUIET_LIBRARIES = ("alembic", "sqlalchemy", "httpx", "httpcore", "uvicorn", "flwr", "opacus", "asyncio", "PIL", "urllib3", "selenium")
+
+
 class LazyGroup(click.Group):
     """A group whose sub-commands are "module:attribute" strings, imported only when used."""
 
@@ -81,6 +84,9 @@ def load_toml_defaults(path: str | None) -> dict[str, Any]:
 def cli(ctx: click.Context, config_path: str | None, verbose: bool) -> None:
     """FedForge: federated learning for visual inspection across factories."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not verbose:  # libraries speak only when something is wrong; FedForge's own progress stays at INFO
+        for name in QUIET_LIBRARIES:
+            logging.getLogger(name).setLevel(logging.WARNING)
     ctx.default_map = load_toml_defaults(config_path)
 
 

@@ -90,13 +90,19 @@ class ProxyCache:
         return proxy
 
 
+def _inputs(proxy: ProxySet | np.ndarray) -> np.ndarray:
+    """The proxy images, or what a model consumes instead of them (a pretrained head: their backbone features)."""
+    return proxy.images if isinstance(proxy, ProxySet) else np.asarray(proxy, dtype=np.float32)
+
+
 @torch.no_grad()
-def predict_proxy(model: torch.nn.Module, proxy: ProxySet, temperature: float, batch_size: int = 256) -> np.ndarray:
-    """softmax(logits / T) on every proxy image, float64 (N, classes)."""
+def predict_proxy(model: torch.nn.Module, proxy: ProxySet | np.ndarray, temperature: float, batch_size: int = 256) -> np.ndarray:
+    """softmax(logits / T) on every proxy input, float64 (N, classes)."""
     model.eval()
+    inputs = _inputs(proxy)
     out = []
-    for start in range(0, len(proxy), batch_size):
-        logits = model(torch.from_numpy(proxy.images[start : start + batch_size]))
+    for start in range(0, len(inputs), batch_size):
+        logits = model(torch.from_numpy(inputs[start : start + batch_size]))
         out.append(F.softmax(logits.double() / temperature, dim=1))
     return torch.cat(out).numpy()
 
@@ -164,17 +170,19 @@ class DistillReport:
     val_kl_after: float
 
 
-def distill(model: torch.nn.Module, proxy: ProxySet, teacher: np.ndarray, cfg: DistillConfig) -> tuple["OrderedDict[str, np.ndarray]", DistillReport]:
+def distill(model: torch.nn.Module, proxy: ProxySet | np.ndarray, teacher: np.ndarray, cfg: DistillConfig) -> tuple["OrderedDict[str, np.ndarray]", DistillReport]:
     """Train ``model`` to match the ensemble's probabilities ``teacher`` (N, C) at temperature T.
+
+    ``proxy`` is the proxy images, or for a pretrained model's head their (cached) backbone features.
 
     KL(teacher || student) * T^2 on a training split of the proxy set, early stopping on the KL of a
     held-out split; returns the best weights (by held-out KL) and what happened.
     """
-    n = len(proxy)
+    images = torch.from_numpy(_inputs(proxy))
+    n = len(images)
     order = np.random.default_rng(cfg.seed).permutation(n)
     n_val = max(1, int(round(n * cfg.val_fraction)))
     val_idx, train_idx = order[:n_val], order[n_val:]
-    images = torch.from_numpy(proxy.images)
     target = torch.from_numpy(np.asarray(teacher, dtype=np.float32))
     t = cfg.temperature
 

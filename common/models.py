@@ -1,9 +1,14 @@
-"""The CNN family FedForge federates: small GroupNorm CNNs that Opacus can privatise.
+"""The model families FedForge federates, and the weights that travel between sites.
 
-BatchNorm mixes statistics across the samples of a batch, which per-sample gradients (DP-SGD) and
-FedAvg over non-IID factories both dislike, so every normalisation layer here is a GroupNorm.
-Parallelism, DP wrappers and checkpointing are applied to these models from outside; the model code
-does not change for them.
+- ``cnn-small`` / ``cnn-medium`` / ``cnn-large``: GroupNorm CNNs trained from scratch (every weight is
+  federated). BatchNorm mixes statistics across the samples of a batch, which per-sample gradients
+  (DP-SGD) and FedAvg over non-IID factories both dislike, so every normalisation layer is a GroupNorm.
+  Parallelism, DP wrappers and checkpointing are applied to these models from outside.
+- ``effnet-lite0``: the pinned, frozen ImageNet EfficientNet-Lite0 with a linear head over pooled
+  multi-scale features (`common.backbones`); only the head is federated.
+
+`weights_of` / `load_weights` are the one conversion between a model and the named arrays that are
+averaged, masked, versioned, signed and sent: for the pretrained family that is the head alone.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from common.backbones import LITE0_SHA256, BackboneSpec, PretrainedClassifier
+
 
 @dataclass(frozen=True)
 class ArchSpec:
@@ -25,11 +32,28 @@ class ArchSpec:
     head_hidden: int
 
 
-ARCHITECTURES: dict[str, ArchSpec] = {
+CNN_ARCHITECTURES: dict[str, ArchSpec] = {
     "cnn-small": ArchSpec(widths=(16, 32, 64), head_hidden=64),
     "cnn-medium": ArchSpec(widths=(32, 64, 128), head_hidden=128),
     "cnn-large": ArchSpec(widths=(64, 128, 256), head_hidden=256),
 }
+
+PRETRAINED_ARCHITECTURES: dict[str, BackboneSpec] = {
+    # every MBConv block and the head conv, mean + max pooled: 6,176 features at 128 px input
+    "effnet-lite0": BackboneSpec("efficientnet-lite0", LITE0_SHA256, input_size=128, blocks=(*range(16), -1)),
+}
+
+ARCHITECTURES: dict[str, object] = {**CNN_ARCHITECTURES, **PRETRAINED_ARCHITECTURES}
+
+
+def is_pretrained(architecture: str) -> bool:
+    return architecture in PRETRAINED_ARCHITECTURES
+
+
+def backbone_of(architecture: str) -> dict[str, str] | None:
+    """What a version's manifest records about the frozen part it sits on (None for from-scratch models)."""
+    spec = PRETRAINED_ARCHITECTURES.get(architecture)
+    return {"name": spec.name, "sha256": spec.sha256, "features": spec.ident} if spec else None
 
 
 def _groups(channels: int) -> int:
@@ -77,27 +101,37 @@ class DefectCNN(nn.Module):
         return self.head(pooled)
 
 
-def build_model(architecture: str, num_classes: int, seed: int | None = None) -> DefectCNN:
-    """A freshly initialised model; with ``seed`` the initial weights are reproducible."""
-    if architecture not in ARCHITECTURES:
-        raise ValueError(f"unknown architecture {architecture!r}; choose one of {sorted(ARCHITECTURES)}")
+def _build(architecture: str, num_classes: int, in_channels: int) -> nn.Module:
+    if architecture in CNN_ARCHITECTURES:
+        return DefectCNN(CNN_ARCHITECTURES[architecture], num_classes, in_channels)
+    if architecture in PRETRAINED_ARCHITECTURES:
+        return PretrainedClassifier(PRETRAINED_ARCHITECTURES[architecture], num_classes)
+    raise ValueError(f"unknown architecture {architecture!r}; choose one of {sorted(ARCHITECTURES)}")
+
+
+def build_model(architecture: str, num_classes: int, seed: int | None = None, in_channels: int = 1) -> nn.Module:
+    """A freshly initialised model for images with ``in_channels`` channels; with ``seed`` the
+    initial (trainable) weights are reproducible. The pretrained family takes grey or RGB input."""
+    if num_classes < 2:
+        raise ValueError(f"a classifier needs at least two classes, got {num_classes}")
     if seed is not None:
         with torch.random.fork_rng():
             torch.manual_seed(seed)
-            return DefectCNN(ARCHITECTURES[architecture], num_classes)
-    return DefectCNN(ARCHITECTURES[architecture], num_classes)
+            return _build(architecture, num_classes, in_channels)
+    return _build(architecture, num_classes, in_channels)
+
+
+def federated_part(model: nn.Module) -> nn.Module:
+    """The module whose weights are federated: the head of a pretrained model, else the whole model."""
+    return model.trainable if isinstance(model, PretrainedClassifier) else model
 
 
 def weights_of(model: nn.Module) -> OrderedDict[str, np.ndarray]:
-    """A copy of the model's parameters and buffers as numpy arrays: what travels between sites and what the registry stores."""
-    return OrderedDict((k, v.detach().numpy().copy()) for k, v in model.state_dict().items())
+    """A copy of the federated weights as numpy arrays: what travels between sites and what the registry stores."""
+    return OrderedDict((k, v.detach().cpu().numpy().copy()) for k, v in federated_part(model).state_dict().items())
 
 
 def load_weights(model: nn.Module, weights: Mapping[str, np.ndarray]) -> nn.Module:
     """Load numpy weights (as `weights_of` returns them) into ``model``; returns the model."""
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
+    federated_part(model).load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in weights.items()})
     return model
-
-
-def parameter_count(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

@@ -14,8 +14,6 @@ from common.rpc.fedforge.v1 import edge_pb2
 
 ALLOWED_DTYPES = frozenset({"float32", "float64", "float16", "int64", "int32", "uint8", "uint32", "uint64", "bool"})
 
-NamedArrays = "OrderedDict[str, np.ndarray]"
-
 
 class UpdateError(ValueError):
     """A model or update is malformed: wrong names, shapes or dtypes, or non-finite values."""

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.data.datasets import ImageDataset
+from common.data.datasets import ImageSet
 
 
 def set_torch_threads(threads: int | None = None) -> int:
@@ -42,32 +43,85 @@ def torch_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def _key(name: str, help_text: str) -> dict[str, str]:
+    return {"key": name, "help": help_text}
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    epochs: int = 1
-    batch_size: int = 16
-    lr: float = 1e-3
-    optimizer: str = "adamw"  # adamw | sgd
-    momentum: float = 0.9
-    weight_decay: float = 1e-4
-    warmup_fraction: float = 0.1
-    grad_clip: float = 5.0  # max global L2 norm of the gradient, 0 = off
-    augment: bool = False
-    bf16: bool = False  # bf16 autocast for the forward pass (CPU and GPU)
-    activation_checkpointing: bool = False
+    """Everything a factory's local training accepts, with its default: the one place both are written.
+
+    Each field's ``key`` metadata is its name in the run configuration (``[tool.flwr.app.config]``,
+    ``fedforge run --set key=value``); the server sends those keys with every train message and the
+    factory builds this from them (`from_run_config`). ``seed`` is derived per round, not configured.
+    """
+
+    epochs: int = field(default=1, metadata=_key("local-epochs", "local epochs per round"))
+    batch_size: int = field(default=16, metadata=_key("batch-size", "local mini-batch size"))
+    lr: float = field(default=1e-3, metadata=_key("lr", "local learning rate"))
+    optimizer: str = field(default="adamw", metadata=_key("optimizer", "local optimiser: adamw | sgd"))
+    momentum: float = field(default=0.9, metadata=_key("momentum", "SGD momentum (local)"))
+    weight_decay: float = field(default=1e-4, metadata=_key("weight-decay", "decoupled weight decay"))
+    warmup_fraction: float = field(default=0.1, metadata=_key("warmup-fraction", "share of a round's steps spent warming up"))
+    grad_clip: float = field(default=5.0, metadata=_key("grad-clip", "max global L2 norm of the gradient, 0 = off"))
+    augment: bool = field(default=False, metadata=_key("augment", "random flips and 90-degree rotations"))
+    bf16: bool = field(default=False, metadata=_key("bf16", "bf16 autocast for the forward pass"))
+    activation_checkpointing: bool = field(default=False, metadata=_key("activation-checkpointing", "recompute activations in backward"))
+    proximal_mu: float = field(default=0.0, metadata=_key("proximal-mu", "FedProx: weight of mu/2 ||w - w_global||^2, 0 = off"))
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {self.optimizer!r}")
         if self.epochs < 0 or self.batch_size < 1 or self.lr <= 0:
-            raise ValueError(f"invalid training config {self}")
+            raise ValueError(f"local-epochs must be >= 0, batch-size >= 1 and lr > 0 (got {self.epochs}, {self.batch_size}, {self.lr})")
+        if self.proximal_mu < 0 or self.weight_decay < 0 or self.grad_clip < 0 or not 0 <= self.warmup_fraction < 1:
+            raise ValueError("proximal-mu, weight-decay and grad-clip must be >= 0 and warmup-fraction in [0, 1)")
+
+    @classmethod
+    def run_config_defaults(cls) -> dict[str, Any]:
+        """{run-config key: default} for every configurable field."""
+        return {f.metadata["key"]: f.default for f in fields(cls) if "key" in f.metadata}
+
+    @classmethod
+    def from_run_config(cls, config: Mapping[str, Any], seed: int = 0) -> TrainConfig:
+        """Build from run-config keys (missing ones take their defaults); raises ValueError naming a bad key."""
+        values: dict[str, Any] = {"seed": seed}
+        for f in fields(cls):
+            key = f.metadata.get("key")
+            if key is None or key not in config:
+                continue
+            raw = config[key]
+            try:
+                values[f.name] = coerce(raw, type(f.default))
+            except (TypeError, ValueError):
+                raise ValueError(f"run-config key {key!r} must be a {type(f.default).__name__}, got {raw!r}") from None
+        return cls(**values)
+
+    def to_run_config(self) -> dict[str, Any]:
+        return {f.metadata["key"]: getattr(self, f.name) for f in fields(self) if "key" in f.metadata}
+
+
+def coerce(value: Any, kind: type) -> Any:
+    if kind is bool:
+        if isinstance(value, str):
+            if value.lower() in ("true", "1", "yes"):
+                return True
+            if value.lower() in ("false", "0", "no"):
+                return False
+            raise ValueError(value)
+        return bool(value)
+    if kind is int and isinstance(value, float) and not value.is_integer():
+        raise ValueError(value)
+    return kind(value)
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The local optimiser over the parameters that train (a frozen backbone's are left out)."""
+    params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 def warmup_cosine(step: int, total: int, warmup_fraction: float) -> float:
@@ -96,31 +150,41 @@ class TrainResult:
     examples: int
 
 
-def train(model: nn.Module, data: ImageDataset, cfg: TrainConfig, shard: tuple[int, int] = (0, 1)) -> TrainResult:
+def _batch(data: ImageSet, idx: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    i = idx.numpy()
+    return torch.from_numpy(data.images_at(i)).to(device), torch.from_numpy(np.asarray(data.labels)[i]).to(device)
+
+
+def proximal_term(model: nn.Module, anchor: list[torch.Tensor]) -> torch.Tensor:
+    """FedProx (Li et al. 2020): ||w - w_global||^2 over the trainable parameters (times mu/2 by the caller)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))  # type: ignore[return-value]
+
+
+def train(model: nn.Module, data: ImageSet, cfg: TrainConfig, shard: tuple[int, int] = (0, 1)) -> TrainResult:
     """Train ``model`` in place for ``cfg.epochs`` epochs over ``data``.
 
     With ``shard=(rank, world_size)`` every rank walks the same global batches (same seed) and
     computes on its slice ``batch[rank::world_size]``; DDP/FSDP average the gradients, so the
-    step equals a single process's step on the whole global batch.
+    step equals a single process's step on the whole global batch. With ``cfg.proximal_mu`` the loss
+    gains FedProx's mu/2 ||w - w_global||^2, w_global being the weights the model starts with.
     """
     rank, world_size = shard
     generator = torch.Generator().manual_seed(cfg.seed)
-    images = torch.from_numpy(data.images)
-    labels = torch.from_numpy(data.labels)
-    n = len(labels)
+    n = len(data)
     steps_per_epoch = math.ceil(n / cfg.batch_size)
     total = max(1, steps_per_epoch * cfg.epochs)
     optimizer = make_optimizer(model, cfg)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, total, cfg.warmup_fraction))
     model.train()
     device = next(iter(model.parameters())).device
+    anchor = [p.detach().clone() for p in model.parameters() if p.requires_grad] if cfg.proximal_mu > 0 else []
     loss_sum, correct, seen, step = 0.0, 0, 0, 0
     for _ in range(cfg.epochs):
         order = torch.randperm(n, generator=generator)
         for start in range(0, n, cfg.batch_size):
             batch = order[start : start + cfg.batch_size]
-            idx = batch[rank::world_size]
-            x, y = images[idx].to(device), labels[idx].to(device)
+            x, y = _batch(data, batch[rank::world_size], device)
             if cfg.augment:
                 x = augment_batch(x, generator)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
@@ -130,6 +194,8 @@ def train(model: nn.Module, data: ImageDataset, cfg: TrainConfig, shard: tuple[i
             # whatever the slice sizes, and an empty slice contributes zero.
             loss_sum_local = F.cross_entropy(logits.float(), y, reduction="sum")
             loss = loss_sum_local * (world_size / len(batch))
+            if anchor:
+                loss = loss + 0.5 * cfg.proximal_mu * proximal_term(model, anchor)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.grad_clip > 0:
@@ -148,23 +214,24 @@ class EvalResult:
     loss: float
     accuracy: float
     examples: int
-    per_class_accuracy: list[float]
+    confusion: np.ndarray  # (classes, classes) counts: row = true class, column = predicted class
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: ImageDataset, batch_size: int = 256) -> EvalResult:
+def predict_logits(model: nn.Module, data: ImageSet, batch_size: int = 256) -> np.ndarray:
     model.eval()
-    images = torch.from_numpy(data.images)
-    labels = torch.from_numpy(data.labels)
-    loss_sum, preds = 0.0, []
-    for start in range(0, len(labels), batch_size):
-        logits = model(images[start : start + batch_size])
-        loss_sum += float(F.cross_entropy(logits, labels[start : start + batch_size], reduction="sum"))
-        preds.append(logits.argmax(1))
-    pred = torch.cat(preds).numpy() if preds else np.empty(0, dtype=np.int64)
-    truth = data.labels
-    per_class = [
-        float((pred[truth == c] == c).mean()) if (truth == c).any() else float("nan") for c in range(len(data.classes))
-    ]
+    out = [model(torch.from_numpy(data.images_at(np.arange(s, min(s + batch_size, len(data)))))).float()
+           for s in range(0, len(data), batch_size)]
+    return torch.cat(out).numpy() if out else np.zeros((0, len(data.classes)), dtype=np.float32)
+
+
+def evaluate(model: nn.Module, data: ImageSet, batch_size: int = 256) -> EvalResult:
+    """Loss, accuracy and the confusion matrix of ``model`` on ``data``."""
+    logits = predict_logits(model, data, batch_size)
+    truth = np.asarray(data.labels, dtype=np.int64)
+    pred = logits.argmax(1)
+    k = len(data.classes)
+    confusion = np.bincount(truth * k + pred, minlength=k * k).reshape(k, k) if len(truth) else np.zeros((k, k), dtype=np.int64)
+    loss = float(F.cross_entropy(torch.from_numpy(logits), torch.from_numpy(truth), reduction="sum")) if len(truth) else 0.0
     n = max(1, len(truth))
-    return EvalResult(loss=loss_sum / n, accuracy=float((pred == truth).sum()) / n, examples=len(truth), per_class_accuracy=per_class)
+    return EvalResult(loss=loss / n, accuracy=float((pred == truth).sum()) / n, examples=len(truth), confusion=confusion.astype(np.int64))

@@ -119,7 +119,12 @@ def follow_run(registry: Registry, run_id: str, rounds: int, home: Path, flwr_ru
             done = registry.rounds(run_id) if run else []
             if done:
                 last = done[-1]
-                acc = f"accuracy {last.accuracy:.3f}" if last.accuracy is not None else "aborted"
+                if last.status != "completed":
+                    acc = "aborted"
+                elif last.accuracy is not None:
+                    acc = f"accuracy {last.accuracy:.3f}"
+                else:
+                    acc = f"federated accuracy of the previous model {last.metrics.get('federated-accuracy', float('nan')):.3f}"
                 progress.update(task, completed=len(done), description=f"{acc}, {len(last.participants)} factories, {last.seconds:.1f}s")
             if run is not None and run.status != "running":
                 break
@@ -134,6 +139,7 @@ def follow_run(registry: Registry, run_id: str, rounds: int, home: Path, flwr_ru
     run = registry.get_run(run_id)
     versions = registry.versions(run_id)
     completed = [r for r in done if r.status == "completed"]
+    final = registry.latest_evaluation(versions[-1].id) if versions else None
     return {
         "run_id": run_id,
         "flwr_run_id": flwr_run_id,
@@ -141,9 +147,15 @@ def follow_run(registry: Registry, run_id: str, rounds: int, home: Path, flwr_ru
         "error": run.error,
         "rounds": [
             {"round": r.server_round, "status": r.status, "accuracy": r.accuracy, "loss": r.loss, "participants": r.participants,
-             "failures": r.failures, "seconds": round(r.seconds, 3)}
+             "failures": r.failures, "seconds": round(r.seconds, 3), "reason": r.metrics.get("reason", ""),
+             "federated_accuracy_before": r.metrics.get("federated-accuracy"), "escape_rate_before": r.metrics.get("federated-escape-rate"),
+             "false_reject_rate_before": r.metrics.get("federated-false-reject-rate")}
             for r in done
         ],
+        "final_federated": ({"accuracy": final.figures.get("accuracy"), "escape_rate": final.figures.get("escape-rate"),
+                             "false_reject_rate": final.figures.get("false-reject-rate"), "recall": final.figures.get("recall"),
+                             "images": final.examples, "factories": final.factories, "phase": final.phase, "version": final.version_id}
+                            if final is not None else None),
         "initial_accuracy": versions[0].metrics.get("accuracy") if versions else None,
         "final_accuracy": completed[-1].accuracy if completed else None,
         "versions": [{"id": v.id, "round": v.server_round, "kind": v.kind, "architecture": v.architecture, "parent": v.parent_id,
@@ -159,22 +171,34 @@ def follow_run(registry: Registry, run_id: str, rounds: int, home: Path, flwr_ru
     }
 
 
+def _f(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else "-"
+
+
 def print_summary(summary: dict[str, Any]) -> None:
-    table = Table(title=f"FedForge run {summary['run_id']} ({summary['status']})")
-    for col in ("round", "status", "accuracy", "loss", "factories", "failed", "seconds"):
+    table = Table(title=f"FedForge run {summary['run_id']} ({summary['status']})",
+                  caption="test: the new model on the central test set; federated: the model each round started from, on the factories' "
+                          "held-out images")
+    for col in ("round", "status", "test accuracy", "federated", "escape", "factories", "failed", "seconds"):
         table.add_column(col, justify="right" if col not in ("status", "failed") else "left")
     for r in summary["rounds"]:
-        table.add_row(
-            str(r["round"]), r["status"], f"{r['accuracy']:.4f}" if r["accuracy"] is not None else "-",
-            f"{r['loss']:.4f}" if r["loss"] is not None else "-", str(len(r["participants"])),
-            ", ".join(sorted(r["failures"])) or "-", f"{r['seconds']:.2f}",
-        )
+        table.add_row(str(r["round"]), r["status"], _f(r["accuracy"]), _f(r["federated_accuracy_before"]), _f(r["escape_rate_before"]),
+                      str(len(r["participants"])), ", ".join(sorted(r["failures"])) or "-", f"{r['seconds']:.2f}")
     console.print(table)
+    if final := summary.get("final_federated"):
+        console.print(f"final model on {final['images']} held-out images at {final['factories']} factories: accuracy {_f(final['accuracy'])}, "
+                      f"escape rate {_f(final['escape_rate'])}, false-reject rate {_f(final['false_reject_rate'])}")
     if len(summary.get("architectures", {})) > 1 or any(a["distilled"] for a in summary.get("architectures", {}).values()):
         for arch, a in summary["architectures"].items():
-            console.print(f"  {arch}: accuracy {a['initial_accuracy']:.4f} -> {a['final_accuracy']:.4f} over {a['versions']} versions "
+            console.print(f"  {arch}: accuracy {_f(a['initial_accuracy'])} -> {_f(a['final_accuracy'])} over {a['versions']} versions "
                           f"({a['distilled']} distilled)")
     console.print(f"final accuracy {summary['final_accuracy']}, {len(summary['versions'])} versions in {summary['registry']}, "
                   f"wall time {summary['wall_seconds']:.1f}s")
     if summary["error"]:
         console.print(f"[red]error:[/] {summary['error']}")
+    if summary["versions"]:
+        registry, last = summary["registry"], summary["versions"][-1]["id"]
+        console.print("next steps:")
+        console.print(f"  fedforge models ls --registry-dir {registry}")
+        console.print(f"  fedforge models approve {last} --registry-dir {registry}")
+        console.print(f"  fedforge models export {last} --registry-dir {registry} --out {Path(registry).parent.parent / 'export'}")

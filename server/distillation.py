@@ -10,34 +10,35 @@ import numpy as np
 import torch
 
 from common.data import datasets
-from common.data.datasets import ImageDataset
+from common.data.datasets import ImageSet
 from common.data.folder import load_image_folder, load_unlabelled_folder
+from common.data.images import grey_to_channels
 from common.distill import DistillConfig, DistillReport, ProxySet, distill
 from common.models import load_weights
 from common.training import evaluate
+from server.central import generated
+from server.config import FederationConfig
 
 log = logging.getLogger("fedforge.server.distill")
 
-MODES = ("off", "after", "only")
 
-
-def load_proxy(proxy_data: str, spec: datasets.SyntheticSpec, size: int) -> ProxySet:
+def load_proxy(cfg: FederationConfig) -> ProxySet:
     """The operator's folder of unlabelled images, or the generator's proxy images for the demo."""
-    if proxy_data:
-        images, report = load_unlabelled_folder(proxy_data)
-        log.info("proxy set: %d images from %s (%d unreadable, skipped)", report.loaded, proxy_data, len(report.skipped))
+    if cfg.proxy_data:
+        images, report = load_unlabelled_folder(cfg.proxy_data, cfg.image_size, cfg.channels)
+        log.info("proxy set: %d images from %s (%d unreadable, skipped)", report.loaded, cfg.proxy_data, len(report.skipped))
         return ProxySet(images)
-    return ProxySet(datasets.proxy_images(spec, size))
+    return ProxySet(grey_to_channels(datasets.proxy_images(cfg.spec, cfg.proxy_size), cfg.channels))
 
 
-def load_validation(validation_data: str, test_data: str, spec: datasets.SyntheticSpec, size: int) -> ImageDataset:
+def load_validation(cfg: FederationConfig) -> ImageSet:
     """Labelled images for keep-or-drop decisions, kept apart from the reported test set when possible."""
-    if validation_data:
-        return load_image_folder(validation_data)[0]
-    if test_data:
-        log.warning("no validation-data folder: distillation decisions use the test folder %s", test_data)
-        return load_image_folder(test_data)[0]
-    return datasets.validation_dataset(spec, size)
+    if cfg.validation_data:
+        return load_image_folder(cfg.validation_data, cfg.image_size, cfg.class_list, cfg.channels)[0]
+    if cfg.test_data:
+        log.warning("no validation-data folder: distillation decisions use the test folder %s", cfg.test_data)
+        return load_image_folder(cfg.test_data, cfg.image_size, cfg.class_list, cfg.channels)[0]
+    return generated(datasets.validation_dataset(cfg.spec, cfg.validation_size), cfg)
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,13 @@ class DistillOutcome:
         }
 
 
-def distil_into(model: torch.nn.Module, weights: "OrderedDict[str, np.ndarray]", proxy: ProxySet, ensemble: np.ndarray,
-                validation: ImageDataset, cfg: DistillConfig) -> DistillOutcome:
-    """Distil the ensemble into ``weights``; keep the result only if validation accuracy does not drop."""
+def distil_into(model: torch.nn.Module, weights: "OrderedDict[str, np.ndarray]", proxy: np.ndarray, ensemble: np.ndarray,
+                validation: ImageSet, cfg: DistillConfig) -> DistillOutcome:
+    """Distil the ensemble into ``weights``; keep the result only if validation accuracy does not drop.
+
+    ``model`` is the module that is federated (a CNN, or a pretrained model's head), ``proxy`` and
+    ``validation`` what it consumes (images, or their backbone features).
+    """
     before = evaluate(load_weights(model, weights), validation).accuracy
     distilled, report = distill(model, proxy, ensemble, cfg)
     after = evaluate(model, validation).accuracy

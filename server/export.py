@@ -10,11 +10,14 @@ import logging
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
-from common.data import datasets
-from common.data.datasets import ImageDataset
+from common.data import datasets, synth
+from common.data.datasets import ImageDataset, ImageSet
+from common.data.images import grey_to_channels
 from common.models import build_model, load_weights
 from common.training import evaluate
 from server.registry.service import Registry
@@ -26,35 +29,51 @@ log = logging.getLogger("fedforge.export")
 class ExportReport:
     version_id: str
     files: list[str]
-    accuracy: float
+    accuracy: float | None  # on the check set (None without one)
     quantized_accuracy: float | None
     accuracy_delta: float | None
     skipped: list[str]
 
 
+def _input_of(version: Any) -> tuple[tuple[str, ...], int, int]:
+    spec = version.model_input or {}
+    return tuple(spec.get("classes") or synth.CLASSES), int(spec.get("image_size") or synth.DEFAULT_SIZE), int(spec.get("channels") or 1)
+
+
 def export_version(registry: Registry, version_id: str, out_dir: str | Path, quantize: bool = False, onnx: bool = True,
-                   test_data: ImageDataset | None = None) -> ExportReport:
+                   test_data: ImageSet | None = None) -> ExportReport:
+    """The *whole* model (for the pretrained family: the pinned backbone and the federated head) as one file.
+
+    The accuracy check runs on ``test_data``, or on generated images when the version's classes are the
+    generator's; otherwise it is skipped (pass --test-data).
+    """
     version = registry.get_version(version_id)
     if version is None:
         raise KeyError(f"no version {version_id!r} in the registry")
     if version.status != "approved":
         raise PermissionError(f"version {version_id} is {version.status}; only approved versions are exported for deployment")
-    model = build_model(version.architecture, num_classes=6)
+    classes, size, channels = _input_of(version)
+    model = build_model(version.architecture, num_classes=len(classes), in_channels=channels)
     load_weights(model, registry.load_weights(version_id))
     model.eval()
-    test = test_data or datasets.test_dataset(datasets.SyntheticSpec(), 600)
+    test = test_data
+    if test is None and set(classes) >= set(synth.CLASSES):
+        generated = datasets.test_dataset(datasets.SyntheticSpec(image_size=size), 600)
+        test = ImageDataset(grey_to_channels(generated.images, channels), datasets.relabel(generated.labels, synth.CLASSES, classes), classes)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    example = torch.from_numpy(test.images[:2])
+    example = torch.from_numpy(test.images_at(np.arange(2))) if test is not None else torch.rand(2, channels, size, size)
     files, skipped = [], []
+    if test is None:
+        skipped.append("accuracy check: no test data for this version's classes (pass --test-data)")
 
-    accuracy = evaluate(model, test).accuracy
+    accuracy = evaluate(model, test).accuracy if test is not None else None
     deployed, q_acc = model, None
     if quantize:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             deployed = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
-        q_acc = evaluate(deployed, test).accuracy
+        q_acc = evaluate(deployed, test).accuracy if test is not None else None
     suffix = "-int8" if quantize else ""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -72,6 +91,6 @@ def export_version(registry: Registry, version_id: str, out_dir: str | Path, qua
             torch.onnx.export(model, (example,), str(onnx_path), input_names=["image"], output_names=["logits"],
                               dynamic_axes={"image": {0: "batch"}, "logits": {0: "batch"}})
             files.append(str(onnx_path))
-    report = ExportReport(version_id, files, accuracy, q_acc, None if q_acc is None else q_acc - accuracy, skipped)
+    report = ExportReport(version_id, files, accuracy, q_acc, None if q_acc is None or accuracy is None else q_acc - accuracy, skipped)
     (out / f"{version_id}{suffix}.export.json").write_text(json.dumps({**asdict(report), "manifest": json.loads(version.manifest)}, indent=2))
     return report

@@ -7,9 +7,9 @@ sees a reply as soon as the SuperLink has it.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-from flwr.app import Message
+from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 
 POLL_SECONDS = 0.05
@@ -32,3 +32,45 @@ def push_and_collect(grid: Grid, messages: Iterable[Message], timeout: float) ->
         if pending:
             time.sleep(POLL_SECONDS)
     return replies, sorted(node_of[mid] for mid in pending)
+
+
+class Messenger:
+    """One message per factory and their replies, with factory names for errors and time per message type.
+
+    The round phases (plain, secure, describe, proxy, final evaluation) all speak to factories through
+    this; a factory that times out or answers with an error is noted in ``failures`` by name.
+    """
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+        self.factory_of_node: dict[int, str] = {}
+        self.phase_seconds: dict[str, float] = {}  # wall time per message type in the current round
+
+    def name(self, node_id: int) -> str:
+        return self.factory_of_node.get(node_id, f"node-{node_id}")
+
+    def node_ids(self) -> list[int]:
+        return sorted(self.grid.get_node_ids())
+
+    def exchange(self, node_ids: list[int], message_type: str, server_round: int, records: Callable[[int], RecordDict], timeout: float,
+                 failures: dict[str, str]) -> dict[int, Message]:
+        """Send one message per node (``records(node) -> RecordDict``); return good replies, note failures by name."""
+        messages = [Message(records(n), dst_node_id=n, message_type=message_type, group_id=str(server_round)) for n in node_ids]
+        started = time.perf_counter()
+        replies, timed_out = push_and_collect(self.grid, messages, timeout)
+        self.phase_seconds[message_type] = self.phase_seconds.get(message_type, 0.0) + time.perf_counter() - started
+        for node_id in timed_out:
+            failures[self.name(node_id)] = f"no reply to {message_type} within {timeout:.0f}s"
+        good = {}
+        for node_id, reply in replies.items():
+            if reply.has_error():
+                failures[self.name(node_id)] = f"error reply to {message_type}: {reply.error.reason}"
+                continue
+            if "info" in reply.content and "factory-id" in reply.content["info"]:
+                self.factory_of_node[node_id] = str(reply.content["info"]["factory-id"])
+            good[node_id] = reply
+        return good
+
+    def phase_metrics(self) -> dict[str, float]:
+        """Where the round's time went, per message type: e.g. seconds/train, seconds/query.secagg_unmask."""
+        return {f"seconds/{kind}": round(t, 3) for kind, t in self.phase_seconds.items()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import getpass
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
@@ -14,6 +15,7 @@ from common.signing import create_keypair, key_id, load_public
 from server.registry.service import Registry, TransitionError
 
 console = Console()
+DEFAULT_REGISTRY = "fedforge-central/registry"  # `fedforge server`'s default workdir; `fedforge demo` prints its own
 
 
 @click.group()
@@ -50,13 +52,26 @@ def _registry(registry_dir: str) -> Registry:
     return Registry.at(registry_dir)
 
 
+def federated_figures(reg: Registry, version_id: str) -> dict[str, Any]:
+    """The latest federated evaluation of a version (accuracy, escape and false-reject rates on the factories' images)."""
+    ev = reg.latest_evaluation(version_id)
+    if ev is None:
+        return {}
+    return {"federated_accuracy": ev.figures.get("accuracy"), "escape_rate": ev.figures.get("escape-rate"),
+            "false_reject_rate": ev.figures.get("false-reject-rate"), "evaluated_images": ev.examples, "evaluated_by": ev.factories}
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else "-"
+
+
 @click.command("ls")
 @click.option("--registry-dir", default=None, type=click.Path(file_okay=False), help="Read a local registry directly.")
 @click.option("--registry", "address", default=None, help="Or ask a ModelRegistry gRPC service (host:port).")
 @click.option("--status", default="", type=click.Choice(["", "candidate", "approved", "revoked"]), help="Filter by status.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def models_ls(registry_dir: str | None, address: str | None, status: str, as_json: bool) -> None:
-    """List model versions, oldest first."""
+    """List model versions, oldest first, with their federated figures (on the factories' own held-out images)."""
     if address:
         import grpc
 
@@ -69,22 +84,22 @@ def models_ls(registry_dir: str | None, address: str | None, status: str, as_jso
                 for v in registry_pb2_grpc.ModelRegistryStub(channel).ListVersions(registry_pb2.ListVersionsRequest(status=status)).versions
             ]
     else:
-        reg = _registry(registry_dir or "fedforge-central/registry")
+        reg = _registry(registry_dir or DEFAULT_REGISTRY)
         rows = [
             {"id": v.id, "round": v.server_round, "kind": v.kind, "architecture": v.architecture, "status": v.status,
-             "secure": v.secure_aggregation, "created": v.created_at.isoformat(), "accuracy": v.metrics.get("accuracy")}
+             "secure": v.secure_aggregation, "created": v.created_at.isoformat(), "accuracy": v.metrics.get("accuracy"),
+             **federated_figures(reg, v.id)}
             for v in reg.versions(status=status or None)
         ]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    table = Table()
-    for col in ("id", "round", "kind", "architecture", "status", "secure", "accuracy"):
+    table = Table(caption="federated: on the factories' own held-out images; escape: defects passed as good; false reject: good parts rejected")
+    for col in ("id", "round", "kind", "architecture", "status", "secure", "test accuracy", "federated", "escape", "false reject"):
         table.add_column(col)
     for r in rows:
-        acc = r.get("accuracy")
-        table.add_row(r["id"], str(r["round"]), r["kind"], r["architecture"], r["status"], "yes" if r["secure"] else "no",
-                      f"{acc:.4f}" if isinstance(acc, float) else "-")
+        table.add_row(r["id"], str(r["round"]), r["kind"], r["architecture"], r["status"], "yes" if r["secure"] else "no", _fmt(r.get("accuracy")),
+                      _fmt(r.get("federated_accuracy")), _fmt(r.get("escape_rate")), _fmt(r.get("false_reject_rate")))
     console.print(table)
 
 
@@ -97,28 +112,46 @@ def _change(registry_dir: str, version_id: str, actor: str | None, note: str, op
     except TransitionError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"{v.id} is now {v.status}")
+    if op in ("approve", "rollback"):
+        f = federated_figures(reg, v.id)
+        if f:
+            click.echo(f"  on {f['evaluated_images']} held-out images at {f['evaluated_by']} factories: accuracy {_fmt(f['federated_accuracy'])}, "
+                       f"escape rate {_fmt(f['escape_rate'])}, false-reject rate {_fmt(f['false_reject_rate'])}")
+        else:
+            click.echo("  no federated evaluation recorded for this version: its escape rate is unknown")
 
 
-for _op, _help in (("approve", "Approve a version for the factories' inspection lines."),
-                   ("revoke", "Revoke a version: edge nodes stop serving it."),
-                   ("rollback", "Approve an older version again (it becomes the current one).")):
-    def _make(op: str = _op, help_text: str = _help):  # type: ignore[no-untyped-def]
-        @click.command(op, help=help_text)
-        @click.argument("version_id")
-        @click.option("--registry-dir", default="fedforge-central/registry", type=click.Path(file_okay=False))
-        @click.option("--actor", default=None, help="Who does this (default: the OS user).")
-        @click.option("--note", default="", help="Why.")
-        def command(version_id: str, registry_dir: str, actor: str | None, note: str) -> None:
-            _change(registry_dir, version_id, actor, note, op)
-        return command
-    globals()[f"models_{_op}"] = _make()
+def _status_options(f):  # type: ignore[no-untyped-def]
+    f = click.argument("version_id")(f)
+    f = click.option("--registry-dir", default=DEFAULT_REGISTRY, type=click.Path(file_okay=False))(f)
+    f = click.option("--actor", default=None, help="Who does this (default: the OS user).")(f)
+    return click.option("--note", default="", help="Why.")(f)
 
 
+@click.command("approve")
+@_status_options
+def models_approve(version_id: str, registry_dir: str, actor: str | None, note: str) -> None:
+    """Approve a version for the factories' inspection lines (prints its escape rate)."""
+    _change(registry_dir, version_id, actor, note, "approve")
+
+
+@click.command("revoke")
+@_status_options
+def models_revoke(version_id: str, registry_dir: str, actor: str | None, note: str) -> None:
+    """Revoke a version: edge nodes stop serving it."""
+    _change(registry_dir, version_id, actor, note, "revoke")
+
+
+@click.command("rollback")
+@_status_options
+def models_rollback(version_id: str, registry_dir: str, actor: str | None, note: str) -> None:
+    """Approve an older version again (it becomes the current one)."""
+    _change(registry_dir, version_id, actor, note, "rollback")
 
 
 @click.command("export")
 @click.argument("version_id")
-@click.option("--registry-dir", default="fedforge-central/registry", type=click.Path(file_okay=False))
+@click.option("--registry-dir", default=DEFAULT_REGISTRY, type=click.Path(file_okay=False))
 @click.option("--out", "out_dir", default="fedforge-export", type=click.Path(file_okay=False), help="Where the exported files go.")
 @click.option("--quantize/--no-quantize", default=False, help="Dynamic int8 quantization of linear layers.")
 @click.option("--test-data", default=None, type=click.Path(file_okay=False, exists=True), help="Image folder for the accuracy check.")
@@ -127,14 +160,18 @@ def models_export(version_id: str, registry_dir: str, out_dir: str, quantize: bo
     from common.data.folder import load_image_folder
     from server.export import export_version
 
-    data = load_image_folder(test_data)[0] if test_data else None
+    reg = _registry(registry_dir)
+    version = reg.get_version(version_id)
+    spec = (version.model_input if version is not None else None) or {}
+    data = load_image_folder(test_data, int(spec.get("image_size", 64)), spec.get("classes"), int(spec.get("channels", 1)))[0] if test_data else None
     try:
-        report = export_version(_registry(registry_dir), version_id, out_dir, quantize=quantize, test_data=data)
+        report = export_version(reg, version_id, out_dir, quantize=quantize, test_data=data)
     except (KeyError, PermissionError) as exc:
         raise click.ClickException(str(exc)) from None
     for f in report.files:
         click.echo(f"wrote {f}")
     for s in report.skipped:
         click.echo(f"skipped {s}")
-    click.echo(f"accuracy {report.accuracy:.4f}" + (f", int8 {report.quantized_accuracy:.4f} (delta {report.accuracy_delta:+.4f})"
-                                                    if report.quantized_accuracy is not None else ""))
+    if report.accuracy is not None:
+        click.echo(f"accuracy {report.accuracy:.4f}" + (f", int8 {report.quantized_accuracy:.4f} (delta {report.accuracy_delta:+.4f})"
+                                                        if report.quantized_accuracy is not None else ""))

@@ -20,7 +20,8 @@ from client.config import AgentConfig
 from common.distill import ProxyCache, ProxySet, ProxySetError, balanced_predictions, check_predictions, ensemble_of
 from common.procs import free_port
 from common.secagg import quantize
-from common.secagg.layout import SecureLayout, apply_group_sum
+from common.secagg.layout import SUMMED_METRICS, Contribution, SecureLayout, apply_group_sum
+from common.training import TrainConfig
 from server.federation import Federation, FederationConfig
 from server.local import fedforge_command
 from server.registry.service import Registry
@@ -30,10 +31,10 @@ from tests.test_server_rounds import ScriptedGrid, _task_identity, agent_node, f
 PROXY, CLASSES = 32, 6
 
 
-def _config(tmp_path, **kw):
+def _config(tmp_path, local_epochs=1, **kw):
     base = dict(num_server_rounds=1, test_size=60, validation_size=60, proxy_size=PROXY, distill_epochs=2, wait_for_factories=5,
-                round_timeout=60, secagg_timeout=60, registry_dir=str(tmp_path / "registry"), min_factories=2)
-    return FederationConfig(**{**base, **kw})
+                round_timeout=60, secagg_timeout=60, registry_dir=str(tmp_path / "registry"), min_factories=2, federated_evaluation=False)
+    return FederationConfig(**{**base, **kw}, training=TrainConfig(epochs=local_epochs))
 
 
 def uniform(server_round: int) -> np.ndarray:
@@ -69,7 +70,7 @@ def test_operator_proxy_folder_skips_unreadable_images_by_name(tmp_path):
     images, report = load_unlabelled_folder(tmp_path)
     assert images.shape == (3, 1, 64, 64) and images.dtype == np.float32
     assert [p for p, _ in report.skipped] == [str(tmp_path / "truncated.png")]
-    proxy = load_proxy(str(tmp_path), spec=None, size=0)  # the folder wins over the generator
+    proxy = load_proxy(FederationConfig(proxy_data=str(tmp_path), proxy_size=0))  # the folder wins over the generator
     assert len(proxy) == 3 and proxy.sha256 == ProxySet(images).sha256
     (tmp_path / "empty").mkdir()
     with pytest.raises(DatasetError, match="no readable images"):
@@ -105,9 +106,10 @@ def test_secure_layout_sums_each_group_and_the_ensemble():
         if arch is not None:
             new = OrderedDict(w=(like[arch]["w"] + rng.normal(0, 0.1, like[arch]["w"].shape)).astype(np.float32))
             deltas.setdefault(arch, []).append((new["w"].astype(np.float64), n))
-        encoded, _ = layout.encode(arch, like.get(arch), new, n, (q, c), clip=100.0, scale=quantize.DEFAULT_SCALE, max_weight=1000)
+        encoded, _ = layout.encode(Contribution(arch, like.get(arch), new, n, (q, c)), clip=100.0, scale=quantize.DEFAULT_SCALE, max_weight=1000)
         total += encoded
-    groups, (weighted_sum, count_sum) = layout.decode(total, quantize.DEFAULT_SCALE)
+    sums = layout.decode(total, quantize.DEFAULT_SCALE)
+    groups, (weighted_sum, count_sum) = sums.groups, sums.ensemble
     assert np.allclose(count_sum, np.sum(counts, axis=0))
     assert np.allclose(weighted_sum, sum(c[None, :] * q for q, c in zip(qs, counts)), atol=1e-5)
     teacher = ensemble_of(weighted_sum, count_sum)
@@ -117,7 +119,7 @@ def test_secure_layout_sums_each_group_and_the_ensemble():
         assert groups[arch][1] == pytest.approx(sum(n for _, n in updates))
         assert np.allclose(apply_group_sum(like[arch], *groups[arch])["w"], expected, atol=1e-5)
     with pytest.raises(ValueError, match="not one of the round's groups"):
-        layout.encode("large", like["small"], like["small"], 1, (qs[0], counts[0]), 100.0, quantize.DEFAULT_SCALE, 1000)
+        layout.encode(Contribution("large", like["small"], like["small"], 1, (qs[0], counts[0])), 100.0, quantize.DEFAULT_SCALE, 1000)
 
 
 def test_balanced_ensemble_lets_each_factory_speak_for_its_own_classes():
@@ -229,8 +231,8 @@ def test_secure_distillation_server_sees_only_sums_and_survives_a_dropout(tmp_pa
     # The only vector unmasked is the sum; its prediction part is the mean of the survivors' predictions.
     assert len(unmasked) == 1
     survivors = [predictions[f] for f in ("factory-0", "factory-1", "factory-3")]
-    width = PROXY * CLASSES + CLASSES
-    decoded = quantize.decode(unmasked[0], fed.cfg.secagg_scale)[-width:]
+    width, metrics_slot = PROXY * CLASSES + CLASSES, 1 + len(SUMMED_METRICS)  # the layout ends with the predictions, then the metrics
+    decoded = quantize.decode(unmasked[0], fed.cfg.secagg_scale)[-(width + metrics_slot) : -metrics_slot]
     assert np.allclose(decoded[-CLASSES:], sum(c for _, c in survivors))
     assert np.allclose(decoded[:-CLASSES].reshape(PROXY, CLASSES), sum(c[None, :] * q for q, c in survivors), atol=1e-4)
     for q, c in survivors:  # no masked input decodes to a factory's own contribution
@@ -251,7 +253,7 @@ def test_secure_distillation_only_rounds_send_predictions_and_no_weights(tmp_pat
     (round1,) = Registry.at(tmp_path / "registry").rounds("run-24")
     assert round1.status in ("completed", "aborted") and not round1.failures, round1.failures  # aborted: both distillations dropped
     masked = [a for name, a in recorded["server-saw"] if name == "masked"]
-    assert len(masked) == 4 and all(len(m) == PROXY * CLASSES + CLASSES for m in masked)  # no weight slots at all
+    assert len(masked) == 4 and all(len(m) == PROXY * CLASSES + CLASSES + 1 + len(SUMMED_METRICS) for m in masked)  # no weight slots at all
     versions = Registry.at(tmp_path / "registry").versions("run-24")
     assert {v.architecture for v in versions} == {"cnn-small", "cnn-medium"}
     assert all(v.kind in ("initial", "distilled") for v in versions)  # only distillation changes a model here
@@ -260,6 +262,7 @@ def test_secure_distillation_only_rounds_send_predictions_and_no_weights(tmp_pat
 
 
 # -- end to end ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.usefixtures("no_leftover_processes")
 def test_demo_distills_across_two_architectures(tmp_path):
     """`fedforge demo --distill --architectures cnn-small,cnn-medium` over real processes; each group improves.

@@ -1,23 +1,94 @@
+"""Users' own image folders: the class list maps folders by name, any format and size loads, big folders stream."""
+
 import numpy as np
 import pytest
 from PIL import Image
 
-from common.data.folder import DatasetError, load_image_folder
+from client.config import AgentConfig
+from client.data import DataRequest, FactoryData, fit_reason, open_source
+from common.data.classes import ClassListError, parse_aliases, parse_classes
+from common.data.datasets import StreamedImages
+from common.data.folder import DatasetError, index_image_folder, load_image_folder, load_labelled
+from common.data.images import read_image
+from common.data.synth import CLASSES
+
+FEDERATION = ("good", "dent", "scratch", "rust")  # a class list that is not the built-in one
 
 
-def _write(path, value=128, size=(40, 30)):
+def _write(path, value=128, size=(40, 30), mode="L"):
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(np.full(size[::-1], value, dtype=np.uint8)).save(path)
+    shape = size[::-1] if mode == "L" else (*size[::-1], 3)
+    Image.fromarray(np.full(shape, value, dtype=np.uint8), mode=mode).save(path)
 
 
-def test_reads_class_folders(tmp_path):
-    for i in range(3):
-        _write(tmp_path / "ok" / f"{i}.png", 100)
-        _write(tmp_path / "scratch" / f"{i}.png", 200)
-    data, report = load_image_folder(tmp_path, size=32)
-    assert data.images.shape == (6, 1, 32, 32)
-    assert data.classes == ("ok", "scratch") and data.class_counts().tolist() == [3, 3]
-    assert report.loaded == 6 and report.skipped == []
+def test_labels_follow_the_class_list_not_the_folders_present(tmp_path):
+    """Two factories with different folder sets agree on every label: the index is the class's place in the list."""
+    for name, value in (("good", 10), ("scratch", 200)):  # factory a: no `dent`, no `rust`
+        for i in range(3):
+            _write(tmp_path / "a" / name / f"{i}.png", value)
+    for name, value in (("dent", 90), ("scratch", 200), ("rust", 250)):  # factory b: no `good`
+        for i in range(2):
+            _write(tmp_path / "b" / name / f"{i}.jpg", value)
+    a, _ = load_image_folder(tmp_path / "a", size=16, classes=FEDERATION)
+    b, _ = load_image_folder(tmp_path / "b", size=16, classes=FEDERATION)
+    assert a.classes == b.classes == FEDERATION
+    scratch = FEDERATION.index("scratch")
+    assert set(a.labels.tolist()) == {0, scratch} and set(b.labels.tolist()) == {1, scratch, 3}
+    for data in (a, b):  # the same images behind the same label
+        assert np.allclose(data.images_at(np.flatnonzero(data.labels == scratch)), 200 / 255, atol=0.01)
+
+
+def test_unknown_folder_is_refused_naming_it_and_the_list(tmp_path):
+    _write(tmp_path / "good" / "a.png")
+    _write(tmp_path / "mystery" / "a.png")
+    with pytest.raises(DatasetError, match="folder 'mystery' is not a class of the class list") as err:
+        index_image_folder(tmp_path, FEDERATION)
+    assert "good" in str(err.value) and "--class-alias" in str(err.value)
+
+
+def test_alias_maps_a_renamed_folder(tmp_path):
+    _write(tmp_path / "OK-parts" / "a.png", 10)
+    _write(tmp_path / "dent" / "b.png", 90)
+    index = index_image_folder(tmp_path, FEDERATION, parse_aliases(["OK-parts=good"]))
+    assert index.folders == {"OK-parts": "good", "dent": "dent"}
+    data, _ = load_labelled(index, FEDERATION, 8)
+    assert sorted(data.labels.tolist()) == [0, 1]
+    with pytest.raises(ClassListError, match="FOLDER=CLASS"):
+        parse_aliases(["nonsense"])
+    with pytest.raises(DatasetError, match="'bent' is not in the class list"):
+        index_image_folder(tmp_path, FEDERATION, {"OK-parts": "bent"})
+
+
+def test_single_class_factory_trains_and_missing_class_is_fine(tmp_path):
+    for i in range(12):
+        _write(tmp_path / "ok" / f"{i}.png", 100 + i)
+    cfg = AgentConfig(factory_id="only-ok", data=str(tmp_path), state_dir=str(tmp_path / "state"))
+    data = FactoryData(open_source(cfg.data, cfg.classes, cfg.class_alias, None, 0), 0.25, 0, cfg.memory_limit)  # type: ignore[arg-type]
+    split = data.split(DataRequest(CLASSES, 16, 1))
+    assert len(split.train) == 9 and len(split.held_out) == 3 and set(split.train.labels.tolist()) == {0}
+
+
+def test_classes_that_do_not_fit_the_runs_list_are_named(tmp_path):
+    _write(tmp_path / "scratch" / "a.png")
+    source = open_source(str(tmp_path), ",".join(CLASSES), (), None, 0)  # type: ignore[arg-type]
+    assert fit_reason(source, CLASSES) == ""
+    assert "['scratch']" in fit_reason(source, ("ok", "crack"))
+    with pytest.raises(ClassListError, match="more than once"):
+        parse_classes("ok,ok")
+
+
+def test_rgb_and_odd_sizes_are_letterboxed_not_cropped(tmp_path):
+    img = np.zeros((30, 90, 3), np.uint8)
+    img[:, :, 0] = 255  # a red strip, three times wider than high
+    Image.fromarray(img).save(tmp_path / "wide.png")
+    rgb = read_image(tmp_path / "wide.png", 30, channels=3)
+    assert rgb.shape == (3, 30, 30)
+    assert np.allclose(rgb[0, 10:20], 1.0) and np.allclose(rgb[1:, 10:20], 0.0)  # the whole strip, scaled into the middle
+    assert np.allclose(rgb[0, :5], 1.0)  # padded with the image's own mean colour
+    grey = read_image(tmp_path / "wide.png", 30, channels=1)
+    assert grey.shape == (1, 30, 30) and 0.2 < grey[0, 15, 15] < 0.4  # luma of pure red
+    Image.fromarray(np.full((7, 5), 200, np.uint8)).save(tmp_path / "tiny.bmp")
+    assert read_image(tmp_path / "tiny.bmp", 64).shape == (1, 64, 64)
 
 
 def test_truncated_and_garbage_files_are_skipped_by_name(tmp_path, caplog):
@@ -34,22 +105,24 @@ def test_truncated_and_garbage_files_are_skipped_by_name(tmp_path, caplog):
     assert "truncated.png" in caplog.text and "garbage.jpg" in caplog.text
 
 
-def test_empty_folder_is_refused(tmp_path):
+def test_a_folder_over_the_memory_limit_streams_from_disk(tmp_path):
+    for i in range(40):
+        _write(tmp_path / ("ok" if i % 2 else "pit") / f"{i}.png", 5 * i, size=(50, 50), mode="RGB")
+    in_memory, report = load_image_folder(tmp_path, size=32, channels=3)
+    assert not report.streamed
+    limit = 10 * 3 * 32 * 32 * 4  # room for 10 decoded images, the folder holds 40
+    streamed, report = load_image_folder(tmp_path, size=32, channels=3, memory_limit=limit)
+    assert report.streamed and isinstance(streamed, StreamedImages) and not hasattr(streamed, "images")
+    idx = np.array([3, 17, 39])
+    assert np.array_equal(streamed.images_at(idx), in_memory.images_at(idx))
+    assert np.array_equal(streamed.labels, in_memory.labels)
+    sub = streamed.subset(np.array([0, 1]))
+    assert len(sub) == 2 and sub.images_at(np.array([1])).shape == (1, 3, 32, 32)
+
+
+def test_empty_and_missing_folders_are_refused(tmp_path):
     (tmp_path / "ok").mkdir()
-    with pytest.raises(DatasetError, match="no readable images"):
-        load_image_folder(tmp_path)
-
-
-def test_single_class_is_refused(tmp_path):
-    _write(tmp_path / "ok" / "a.png")
-    with pytest.raises(DatasetError, match="single class"):
-        load_image_folder(tmp_path)
-
-
-def test_missing_folder_and_unknown_classes(tmp_path):
+    with pytest.raises(DatasetError, match="no image files"):
+        index_image_folder(tmp_path)
     with pytest.raises(DatasetError, match="does not exist"):
-        load_image_folder(tmp_path / "nope")
-    _write(tmp_path / "ok" / "a.png")
-    _write(tmp_path / "mystery" / "a.png")
-    with pytest.raises(DatasetError, match="mystery"):
-        load_image_folder(tmp_path, classes=("ok", "scratch"))
+        index_image_folder(tmp_path / "nope")

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from client.config import AgentConfig
-from client.trainer import load_factory_data, split_validation
-from client.workers import Job, WorkerGroup
+from client.data import DataRequest
+from client.workers import Job, WorkerGroup, factory_data
 from common.models import build_model
 from common.training import TrainConfig, train
 
 pytestmark = pytest.mark.slow
-CFG = AgentConfig(factory_id="multi", train_size=72, torch_threads=1)
+CFG = AgentConfig(factory_id="multi", train_size=74, torch_threads=1)
 TRAIN = TrainConfig(epochs=1, batch_size=16, seed=5)
 
 
@@ -42,8 +42,7 @@ def test_ddp_ranks_agree_and_match_single_process(ddp):
     out = ddp.run(Job(weights=_initial(), architecture="cnn-small", train=asdict(TRAIN)))
     assert len(set(out["rank_digests"])) == 1  # parameters identical on both ranks
 
-    data, _ = load_factory_data(CFG)
-    train_data, _ = split_validation(data, CFG.val_fraction, seed=CFG.data_seed)
+    train_data = factory_data(CFG).split(DataRequest()).train
     assert len(train_data) % 16 % 2 == 1  # the last global batch splits unevenly: still exact
     model = build_model("cnn-small", 6)
     model.load_state_dict({k: torch.from_numpy(v) for k, v in _initial().items()})
@@ -110,7 +109,7 @@ def test_bf16_autocast_and_activation_checkpointing_switches():
     """Both switches train (finite loss, weights move); checkpointing leaves the forward pass unchanged."""
     from client.parallel import apply_activation_checkpointing
 
-    data, _ = load_factory_data(CFG)
+    data = factory_data(CFG).split(DataRequest()).train
     x = torch.from_numpy(data.images[:8])
     model = build_model("cnn-small", 6, seed=4)
     reference = model(x).detach()

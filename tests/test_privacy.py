@@ -19,7 +19,7 @@ from opacus.accountants import RDPAccountant
 from torch import nn
 
 from client.config import AgentConfig
-from client.dp import DPConfigError, check_dp_compatible, train_private
+from client.dp import DPConfigError, DPPlan, check_dp_compatible, sample_rate, train_private
 from client.privacy import BudgetExhausted, PrivacyBudget, PrivacyLedger
 from client.trainer import FactoryTrainer
 from common.data import datasets
@@ -48,7 +48,7 @@ def test_noise_is_actually_applied():
     results = []
     for noise in (0.0, 1.0):
         model = build_model("cnn-small", 6, seed=3)
-        train_private(model, data, cfg, noise_multiplier=noise, max_grad_norm=1.0)
+        train_private(model, data, cfg, DPPlan(noise_multiplier=noise, max_grad_norm=1.0, sample_rate=sample_rate(len(data), 16)))
         results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     start = torch.cat([p.detach().flatten() for p in build_model("cnn-small", 6, seed=3).parameters()])
     # with noise the weights move much further than clipped gradients alone move them
@@ -59,10 +59,10 @@ def test_epsilon_grows_and_matches_opacus_accountant(tmp_path):
     trainer = FactoryTrainer(_cfg(tmp_path))
     eps = []
     for r in range(1, 4):
-        _, _, metrics = trainer.train(_global(), CONFIG, r, run_id="run-a")
+        metrics = trainer.train(_global(), CONFIG, r, run_id="run-a").privacy
         eps.append(metrics["epsilon-spent"])
         assert metrics["epsilon-remaining"] == pytest.approx(4.0 - metrics["epsilon-spent"])
-        assert not any(k.startswith("_module.") for k in trainer._model_with(_global(), CONFIG).state_dict())
+        assert not any(k.startswith("_module.") for k in trainer.prepare(_global(), CONFIG).model.state_dict())
     assert eps[0] < eps[1] < eps[2] <= 4.0
     accountant = RDPAccountant()
     for noise, rate, steps in trainer.ledger.history():
@@ -90,9 +90,9 @@ def test_round_over_budget_is_refused_and_not_charged(tmp_path):
 
 def test_server_cannot_raise_the_budget_or_lower_the_noise(tmp_path, caplog):
     honest = FactoryTrainer(_cfg(tmp_path / "a"))
-    _, _, m_honest = honest.train(_global(), CONFIG, 1, run_id="r")
+    m_honest = honest.train(_global(), CONFIG, 1, run_id="r").privacy
     greedy = FactoryTrainer(_cfg(tmp_path / "b"))
-    _, _, m_greedy = greedy.train(_global(), {**CONFIG, "dp-epsilon": 1e9, "noise-multiplier": 0.0, "dp-delta": 0.5}, 1, run_id="r")
+    m_greedy = greedy.train(_global(), {**CONFIG, "dp-epsilon": 1e9, "noise-multiplier": 0.0, "dp-delta": 0.5}, 1, run_id="r").privacy
     for key in ("noise-multiplier", "epsilon-spent", "epsilon-max", "delta"):
         assert m_greedy[key] == pytest.approx(m_honest[key])
     assert "ignoring privacy settings sent by the server" in caplog.text

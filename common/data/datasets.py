@@ -1,38 +1,142 @@
-"""Factory partitions, the central test set and the distillation proxy set, built from `synth`.
+"""Labelled image sets (in memory or streamed from disk), and the synthetic federation's data.
 
-Factories are non-IID twice over: each draws its label mix from Dirichlet(alpha) and its images
-through its own `FactoryProfile` (materials and optics). The central test set is balanced and mixes
-every factory's appearance, so it measures the federation, not one site.
+Training and evaluation read images through one small interface, `ImageSet`: labels are always in
+memory (a 100,000-image factory holds 800 KB of them), images come from `images_at(indices)`, so a
+folder too large for memory is decoded batch by batch from disk (`StreamedImages`) while a small one
+is decoded once (`ImageDataset`).
+
+Synthetic factories are non-IID twice over: each draws its label mix from Dirichlet(alpha) and its
+images through its own `FactoryProfile` (materials and optics). The central test set is balanced and
+mixes every factory's appearance, so it measures the federation, not one site.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from common.data import synth
+from common.data.images import read_image
+
+
+@runtime_checkable
+class ImageSet(Protocol):
+    """What training and evaluation need from a labelled image set."""
+
+    labels: np.ndarray  # int64 indices into ``classes``
+    classes: tuple[str, ...]
+
+    def __len__(self) -> int: ...
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]: ...  # (channels, height, width)
+
+    def images_at(self, indices: np.ndarray) -> np.ndarray: ...  # float32 (k, C, H, W) in [0, 1]
+
+    def subset(self, indices: np.ndarray) -> ImageSet: ...
+
+
+def class_counts(data: ImageSet) -> np.ndarray:
+    return np.bincount(np.asarray(data.labels, dtype=np.int64), minlength=len(data.classes))
 
 
 @dataclass(frozen=True)
 class ImageDataset:
-    """Images as float32 (N, 1, H, W) in [0, 1] and integer labels indexing ``classes``."""
+    """Images as float32 (N, C, H, W) in [0, 1], C = 1 (grey) or 3 (RGB), and labels indexing ``classes``."""
 
     images: np.ndarray
     labels: np.ndarray
     classes: tuple[str, ...] = synth.CLASSES
 
     def __post_init__(self) -> None:
-        if self.images.ndim != 4 or self.images.shape[1] != 1:
-            raise ValueError(f"images must have shape (N, 1, H, W), got {self.images.shape}")
+        if self.images.ndim != 4 or self.images.shape[1] not in (1, 3):
+            raise ValueError(f"images must have shape (N, 1 or 3, H, W), got {self.images.shape}")
         if len(self.images) != len(self.labels):
             raise ValueError(f"{len(self.images)} images but {len(self.labels)} labels")
 
     def __len__(self) -> int:
         return len(self.labels)
 
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return tuple(self.images.shape[1:])  # type: ignore[return-value]
+
+    def images_at(self, indices: np.ndarray) -> np.ndarray:
+        return self.images[np.asarray(indices, dtype=np.int64)]
+
+    def subset(self, indices: np.ndarray) -> ImageDataset:
+        idx = np.asarray(indices, dtype=np.int64)
+        return ImageDataset(self.images[idx], self.labels[idx], self.classes)
+
     def class_counts(self) -> np.ndarray:
-        return np.bincount(self.labels, minlength=len(self.classes))
+        return class_counts(self)
+
+
+@dataclass(frozen=True)
+class StreamedImages:
+    """A labelled set of image files decoded on demand: what a factory with more images than memory trains on.
+
+    Each call to `images_at` decodes those files (see `common.data.images` for the resize policy); the
+    loader checked every file once when the set was built, so a failure here means the file changed on
+    disk, and the error names it.
+    """
+
+    paths: tuple[Path, ...]
+    labels: np.ndarray
+    classes: tuple[str, ...]
+    size: int
+    channels: int = 1
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return (self.channels, self.size, self.size)
+
+    def images_at(self, indices: np.ndarray) -> np.ndarray:
+        idx = np.asarray(indices, dtype=np.int64)
+        out = np.empty((len(idx), self.channels, self.size, self.size), dtype=np.float32)
+        for j, i in enumerate(idx):
+            out[j] = read_image(self.paths[int(i)], self.size, self.channels)
+        return out
+
+    def subset(self, indices: np.ndarray) -> StreamedImages:
+        idx = np.asarray(indices, dtype=np.int64)
+        return StreamedImages(tuple(self.paths[int(i)] for i in idx), self.labels[idx], self.classes, self.size, self.channels)
+
+    def class_counts(self) -> np.ndarray:
+        return class_counts(self)
+
+
+def stratified_split(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train indices, held-out indices): ``fraction`` of every class held out, at least one image of a
+    class with two or more, so every class a factory has can be evaluated there. Deterministic in ``seed``."""
+    rng = np.random.default_rng(seed)
+    train, held = [], []
+    for c in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        n_held = int(round(len(idx) * fraction)) if fraction > 0 else 0
+        if fraction > 0 and n_held == 0 and len(idx) >= 2:
+            n_held = 1
+        held.append(idx[:n_held])
+        train.append(idx[n_held:])
+    cat = lambda parts: np.sort(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)  # noqa: E731
+    return cat(train).astype(np.int64), cat(held).astype(np.int64)
+
+
+def relabel(labels: np.ndarray, source_classes: Sequence[str], target_classes: Sequence[str]) -> np.ndarray:
+    """Labels indexing ``source_classes`` -> the same names' indices in ``target_classes`` (names must all exist there)."""
+    index = {c: i for i, c in enumerate(target_classes)}
+    missing = sorted({source_classes[int(i)] for i in np.unique(labels)} - set(index))
+    if missing:
+        raise ValueError(f"classes {missing} are not in the class list {list(target_classes)}")
+    lookup = np.array([index.get(c, -1) for c in source_classes], dtype=np.int64)
+    return lookup[np.asarray(labels, dtype=np.int64)]
 
 
 @dataclass(frozen=True)
@@ -54,16 +158,25 @@ def label_mix(seed: int, num_factories: int, alpha: float) -> np.ndarray:
     return rng.dirichlet(np.full(len(synth.CLASSES), alpha), size=num_factories)
 
 
-def factory_dataset(spec: SyntheticSpec, factory_index: int) -> ImageDataset:
-    """The private training data of factory ``factory_index`` (0-based)."""
+def _factory_rng_and_labels(spec: SyntheticSpec, factory_index: int) -> tuple[np.random.Generator, np.ndarray]:
     if not 0 <= factory_index < spec.num_factories:
         raise ValueError(f"factory index {factory_index} outside 0..{spec.num_factories - 1}")
     mix = label_mix(spec.seed, spec.num_factories, spec.alpha)[factory_index]
     rng = synth.rng_for(spec.seed, 3, factory_index)
-    labels = rng.choice(len(synth.CLASSES), size=spec.train_size, p=mix)
+    return rng, rng.choice(len(synth.CLASSES), size=spec.train_size, p=mix).astype(np.int64)
+
+
+def factory_labels(spec: SyntheticSpec, factory_index: int) -> np.ndarray:
+    """The labels of `factory_dataset` without rendering its images (cheap)."""
+    return _factory_rng_and_labels(spec, factory_index)[1]
+
+
+def factory_dataset(spec: SyntheticSpec, factory_index: int) -> ImageDataset:
+    """The private training data of factory ``factory_index`` (0-based); the labels do not depend on the image size."""
+    rng, labels = _factory_rng_and_labels(spec, factory_index)
     profile = synth.factory_profile(spec.seed, factory_index)
     images = synth.render_many(rng, labels, [profile], spec.image_size)
-    return ImageDataset(images, labels.astype(np.int64))
+    return ImageDataset(images, labels)
 
 
 def _all_profiles(spec: SyntheticSpec) -> list[synth.FactoryProfile]:

@@ -1,19 +1,31 @@
-"""Users' own images: an image-folder layout, one sub-folder per class, read on the edge node."""
+"""Users' own images: an image-folder layout, one sub-folder per class, read on the edge node.
+
+Reading is two steps. `index_image_folder` runs when the agent starts: it maps every sub-folder to a
+class of the factory's class list by name (or alias) and lists the files, refusing an unknown folder
+name at once. `load_labelled` runs when a run first asks for a given image size and channel count:
+it decodes every file once (unreadable ones are skipped and named in the log and the report), keeps
+the images in memory when they fit under the memory limit, and otherwise returns a set that decodes
+batches from disk as training asks for them.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from common.data.datasets import ImageDataset
+from common.data.classes import DEFAULT_CLASSES, ClassListError, assign_folders, label_map
+from common.data.datasets import ImageDataset, ImageSet, StreamedImages
+from common.data.images import SUFFIXES, ImageError, read_image
 from common.data.synth import DEFAULT_SIZE
 
 log = logging.getLogger(__name__)
 
-IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp"})
+IMAGE_SUFFIXES = SUFFIXES
+DEFAULT_MEMORY_LIMIT = 2 << 30  # bytes of decoded images kept in memory before a factory streams from disk
 
 
 class DatasetError(ValueError):
@@ -26,70 +38,105 @@ class FolderReport:
 
     loaded: int = 0
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    streamed: bool = False
 
 
-def _read_image(path: Path, size: int) -> np.ndarray:
-    from PIL import Image
+@dataclass(frozen=True)
+class FolderIndex:
+    """The files of an image folder and the class name of each (folders mapped through aliases)."""
 
-    with Image.open(path) as img:
-        img.load()  # raises on truncated or corrupt files (LOAD_TRUNCATED_IMAGES stays off)
-        grey = img.convert("L").resize((size, size), Image.BILINEAR)
-    return np.asarray(grey, dtype=np.float32) / 255.0
+    root: Path
+    paths: tuple[Path, ...]
+    names: tuple[str, ...]  # class name of each file
+    folders: dict[str, str]  # folder name -> class name
+
+    def present(self, classes: Sequence[str]) -> tuple[str, ...]:
+        """The classes this folder has images of, in the order of ``classes``."""
+        have = set(self.names)
+        return tuple(c for c in classes if c in have)
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for name in self.names:
+            out[name] = out.get(name, 0) + 1
+        return out
 
 
-def _read_or_skip(path: Path, size: int, report: FolderReport) -> np.ndarray | None:
-    """The image, or None after noting in ``report`` (and the log) why it could not be read."""
-    try:
-        return _read_image(path, size)
-    except Exception as exc:  # PIL raises several types for bad files
-        report.skipped.append((str(path), f"{type(exc).__name__}: {exc}"))
-        log.warning("skipping unreadable image %s: %s", path, exc)
-        return None
+def index_image_folder(root: str | Path, classes: Sequence[str] = DEFAULT_CLASSES, aliases: Mapping[str, str] | None = None) -> FolderIndex:
+    """List ``root/<folder>/<image>`` and map each folder to a class of ``classes`` by name or alias.
 
-
-def load_image_folder(
-    root: str | Path, size: int = DEFAULT_SIZE, classes: tuple[str, ...] | None = None
-) -> tuple[ImageDataset, FolderReport]:
-    """Read ``root/<class>/<image>``; unreadable files are logged by name and skipped.
-
-    ``classes`` fixes the label order (the federation's class list); by default the sub-folders
-    are taken in sorted order. Raises `DatasetError` for a missing, empty or single-class folder.
+    Raises `DatasetError` for a missing folder, a folder name that fits no class (naming it and the
+    list) or a folder without any image file. A class without a folder is fine, and so is a single class.
     """
     root = Path(root)
     if not root.is_dir():
         raise DatasetError(f"data folder {root} does not exist or is not a directory")
-    found = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    classes = tuple(classes) if classes is not None else tuple(found)
-    unknown = sorted(set(found) - set(classes))
-    if unknown:
-        raise DatasetError(f"data folder {root} has class folders {unknown} not in the class list {list(classes)}")
+    folders = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    try:
+        mapping = assign_folders(folders, classes, aliases or {}, where=f"data folder {root}")
+    except ClassListError as exc:
+        raise DatasetError(str(exc)) from None
+    loose = [p.name for p in root.iterdir() if p.is_file() and p.suffix.lower() in SUFFIXES]
+    if loose:
+        log.warning("data folder %s: %d images outside any class folder are ignored (e.g. %s)", root, len(loose), loose[0])
+    paths, names = [], []
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*")):
+            if path.is_file() and path.suffix.lower() in SUFFIXES and not path.name.startswith("."):
+                paths.append(path)
+                names.append(mapping[folder])
+    if not paths:
+        raise DatasetError(f"data folder {root} holds no image files (expected {root}/<class>/<image>.png; formats {sorted(SUFFIXES)})")
+    return FolderIndex(root, tuple(paths), tuple(names), mapping)
 
-    report, images, labels = FolderReport(), [], []
-    for label, name in enumerate(classes):
-        class_dir = root / name
-        if not class_dir.is_dir():
+
+def load_labelled(index: FolderIndex, classes: Sequence[str], size: int = DEFAULT_SIZE, channels: int = 1,
+                  memory_limit: int = DEFAULT_MEMORY_LIMIT) -> tuple[ImageSet, FolderReport]:
+    """Decode the indexed images at ``size`` x ``size`` with ``channels``, labelled by name in ``classes``.
+
+    Every file is decoded once here (so an unreadable one is found now, named and skipped); the
+    images are kept when they fit in ``memory_limit`` bytes, else the set streams them from disk.
+    """
+    try:
+        labels_of = label_map(sorted(set(index.names)), classes, where=f"data folder {index.root}")
+    except ClassListError as exc:
+        raise DatasetError(str(exc)) from None
+    streamed = len(index.paths) * channels * size * size * 4 > memory_limit
+    report = FolderReport(streamed=streamed)
+    kept: list[np.ndarray] = []
+    good_paths: list[Path] = []
+    labels: list[int] = []
+    for path, name in zip(index.paths, index.names):
+        try:
+            image = read_image(path, size, channels)
+        except ImageError as exc:
+            report.skipped.append((str(path), str(exc)))
+            log.warning("skipping unreadable image %s", exc)
             continue
-        for path in sorted(class_dir.iterdir()):
-            if path.suffix.lower() not in IMAGE_SUFFIXES:
-                continue
-            if (image := _read_or_skip(path, size, report)) is not None:
-                images.append(image)
-                labels.append(label)
-    report.loaded = len(images)
-    if not images:
-        raise DatasetError(f"data folder {root} holds no readable images (expected {root}/<class>/<image>.png)")
-    present = sorted({classes[i] for i in labels})
-    if len(present) < 2:
-        raise DatasetError(
-            f"data folder {root} holds images of a single class ({present[0]!r}); "
-            "training a classifier needs at least two classes"
-        )
-    stacked = np.stack(images)[:, None, :, :]
-    return ImageDataset(stacked, np.asarray(labels, dtype=np.int64), classes), report
+        good_paths.append(path)
+        labels.append(labels_of[name])
+        if not streamed:
+            kept.append(image)
+    report.loaded = len(labels)
+    if not labels:
+        raise DatasetError(f"data folder {index.root} holds no readable images ({len(report.skipped)} unreadable)")
+    label_array = np.asarray(labels, dtype=np.int64)
+    if streamed:
+        log.info("data folder %s: %d images (%.0f MB decoded) exceed the memory limit of %.0f MB; streaming from disk",
+                 index.root, len(labels), len(labels) * channels * size * size * 4 / 1e6, memory_limit / 1e6)
+        return StreamedImages(tuple(good_paths), label_array, tuple(classes), size, channels), report
+    return ImageDataset(np.stack(kept), label_array, tuple(classes)), report
 
 
-def load_unlabelled_folder(root: str | Path, size: int = DEFAULT_SIZE) -> tuple[np.ndarray, FolderReport]:
-    """Every readable image under ``root`` (any depth), as (N, 1, size, size) float32; labels are ignored.
+def load_image_folder(root: str | Path, size: int = DEFAULT_SIZE, classes: Sequence[str] | None = None, channels: int = 1,
+                      aliases: Mapping[str, str] | None = None, memory_limit: int = DEFAULT_MEMORY_LIMIT) -> tuple[ImageSet, FolderReport]:
+    """Index and load a labelled folder in one step (the server's test and validation folders, tests)."""
+    classes = tuple(classes) if classes is not None else DEFAULT_CLASSES
+    return load_labelled(index_image_folder(root, classes, aliases), classes, size, channels, memory_limit)
+
+
+def load_unlabelled_folder(root: str | Path, size: int = DEFAULT_SIZE, channels: int = 1) -> tuple[np.ndarray, FolderReport]:
+    """Every readable image under ``root`` (any depth), as (N, channels, size, size) float32; labels are ignored.
 
     For the server's distillation proxy set. Unreadable files are logged by name and skipped.
     """
@@ -97,10 +144,13 @@ def load_unlabelled_folder(root: str | Path, size: int = DEFAULT_SIZE) -> tuple[
     if not root.is_dir():
         raise DatasetError(f"proxy folder {root} does not exist or is not a directory")
     report, images = FolderReport(), []
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES):
-        if (image := _read_or_skip(path, size, report)) is not None:
-            images.append(image)
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES):
+        try:
+            images.append(read_image(path, size, channels))
+        except ImageError as exc:
+            report.skipped.append((str(path), str(exc)))
+            log.warning("skipping unreadable image %s", exc)
     if not images:
         raise DatasetError(f"proxy folder {root} holds no readable images")
     report.loaded = len(images)
-    return np.stack(images)[:, None, :, :].astype(np.float32), report
+    return np.stack(images).astype(np.float32), report

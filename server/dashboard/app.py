@@ -176,14 +176,13 @@ def create_app(settings: DashboardSettings) -> FastAPI:
         ov = services.overview(registry, bool(settings.admin_token))
         detail = services.run_detail(registry, ov.current_run.id) if ov.current_run else None
         rounds = [r for r in detail.rounds if r.status == "completed"] if detail else []
-        chart_acc = charts.line_chart("Global accuracy per round", {"accuracy": [(r.server_round, r.accuracy) for r in rounds]}, "test set", y_max=1.0)
+        federated = services.federated_series(registry, ov.current_run.id) if ov.current_run else {"accuracy": []}
+        chart_acc = charts.line_chart("Global accuracy per round", {"test set": [(r.server_round, r.accuracy) for r in rounds if r.accuracy is not None],
+                                      "factories' held-out images": federated["accuracy"]}, "the model each round produced", y_max=1.0)
         chart_loss = charts.line_chart("Global loss per round", {"loss": [(r.server_round, r.loss) for r in rounds]}, "cross-entropy")
-        per_factory = {}
-        for r in rounds:
-            for k, v in r.metrics.items():
-                if k == "factory-val-accuracy-before":
-                    per_factory.setdefault("factories (validation, mean)", []).append((r.server_round, v))
-        chart_fac = charts.line_chart("Factories' local validation accuracy", per_factory, "before local training", y_max=1.0)
+        per_factory = {"training accuracy (example-weighted mean)": [(r.server_round, r.metrics["factory-train-accuracy"]) for r in rounds
+                                                                     if "factory-train-accuracy" in r.metrics]}
+        chart_fac = charts.line_chart("Factories' local training", per_factory, "during the round", y_max=1.0)
         return page(request, "overview.html", ov=ov, run=detail, charts=[chart_acc, chart_loss, chart_fac], factories=services.factories(registry))
 
     @app.get("/runs", response_class=HTMLResponse, dependencies=[View], include_in_schema=False)
@@ -196,8 +195,13 @@ def create_app(settings: DashboardSettings) -> FastAPI:
         if detail is None:
             raise HTTPException(404, f"no run {run_id}")
         done = [r for r in detail.rounds if r.status == "completed"]
-        chart = charts.line_chart("Accuracy per round", {"accuracy": [(r.server_round, r.accuracy) for r in done]}, "test set", y_max=1.0)
-        return page(request, "run.html", run=detail, chart=chart)
+        central = {"test set": [(r.server_round, r.accuracy) for r in done if r.accuracy is not None]}
+        federated = services.federated_series(registry, run_id)
+        chart = charts.line_chart("Accuracy per round", {**central, "factories' held-out images": federated["accuracy"]},
+                                  "the model each round produced", y_max=1.0)
+        rates = charts.line_chart("Escape and false-reject rates per round", {"escape rate": federated["escape rate"],
+                                  "false-reject rate": federated["false-reject rate"]}, "on the factories' held-out images", y_max=1.0)
+        return page(request, "run.html", run=detail, chart=chart + rates)
 
     @app.get("/factories", response_class=HTMLResponse, dependencies=[View], include_in_schema=False)
     def factories_page(request: Request) -> HTMLResponse:
@@ -220,7 +224,10 @@ def create_app(settings: DashboardSettings) -> FastAPI:
         detail = services.version_detail(registry, version_id, public_key)
         if detail is None:
             raise HTTPException(404, f"no version {version_id}")
-        return page(request, "version.html", v=detail)
+        latest = detail.evaluations[0] if detail.evaluations else None
+        heat = charts.heatmap(f"Confusion matrix on {latest.examples} held-out images at {latest.factories} factories ({latest.phase} evaluation)",
+                              latest.confusion, latest.classes) if latest else charts.heatmap("Confusion matrix", [], [])
+        return page(request, "version.html", v=detail, heatmap=heat, latest=latest)
 
     return app
 

@@ -38,3 +38,32 @@ def line_chart(title: str, series: dict[str, list[tuple[float, float]]], y_label
     parts.append("</svg>")
     legend = "".join(f'<span style="color:{colors[i % len(colors)]}">● {escape(n)}</span> ' for i, n in enumerate(sorted(series)))
     return f'<figure class="chart"><figcaption>{escape(title)} <small>({escape(y_label)})</small></figcaption>{"".join(parts)}<div>{legend}</div></figure>'
+
+
+def heatmap(title: str, matrix: list[list[int]], classes: list[str], cell: int = 44) -> str:
+    """A confusion matrix as an SVG heatmap: rows are the true class, columns the predicted one; each row shaded by its share."""
+    if not matrix:
+        return f'<figure class="chart"><figcaption>{escape(title)}</figcaption><p class="muted">no evaluation yet</p></figure>'
+    k = len(classes)
+    pad_l, pad_t = 96, 64
+    width, height = pad_l + k * cell + 8, pad_t + k * cell + 8
+    parts = [f'<svg viewBox="0 0 {width} {height}" role="img" aria-label="{escape(title)}" data-chart="{escape(title)}" class="heatmap">']
+    for j, name in enumerate(classes):
+        x = pad_l + j * cell + cell / 2
+        parts.append(f'<text x="{x:.1f}" y="{pad_t - 8}" text-anchor="start" font-size="11" transform="rotate(-40 {x:.1f} {pad_t - 8})">'
+                     f'{escape(name)}</text>')
+    for i, name in enumerate(classes):
+        row = matrix[i]
+        total = sum(row) or 1
+        parts.append(f'<text x="{pad_l - 6}" y="{pad_t + i * cell + cell / 2 + 4:.1f}" text-anchor="end" font-size="11">{escape(name)}</text>')
+        for j, count in enumerate(row):
+            share = count / total
+            fill = f"rgba(37,99,235,{0.08 + 0.9 * share:.3f})" if i == j else f"rgba(220,38,38,{0.06 + 0.9 * share:.3f})" if count else "#f8fafc"
+            parts.append(f'<rect x="{pad_l + j * cell}" y="{pad_t + i * cell}" width="{cell - 2}" height="{cell - 2}" fill="{fill}" '
+                         f'data-true="{escape(name)}" data-predicted="{escape(classes[j])}" data-count="{count}">'
+                         f'<title>{escape(name)} predicted as {escape(classes[j])}: {count}</title></rect>')
+            parts.append(f'<text x="{pad_l + j * cell + (cell - 2) / 2:.1f}" y="{pad_t + i * cell + cell / 2 + 3:.1f}" text-anchor="middle" '
+                         f'font-size="11">{count}</text>')
+    parts.append("</svg>")
+    return (f'<figure class="chart"><figcaption>{escape(title)} <small>(rows: true class, columns: predicted)</small></figcaption>'
+            f'{"".join(parts)}</figure>')

@@ -46,11 +46,31 @@ class VersionOut(BaseModel):
     kind: str
     architecture: str
     status: str
-    accuracy: float | None
+    accuracy: float | None  # central test set (None without one)
     secure_aggregation: bool
     created_at: datetime
     sha256: str
     size_bytes: int
+    federated_accuracy: float | None = None  # on the factories' own held-out images (latest federated evaluation)
+    escape_rate: float | None = None  # defects predicted as the good class
+    false_reject_rate: float | None = None  # good parts predicted as a defect
+
+
+class EvaluationOut(BaseModel):
+    """A version's figures on the factories' held-out images, summed over factories (never one factory's)."""
+
+    server_round: int
+    phase: str  # round (measured before local training) | final (the evaluate-only phase)
+    factories: int
+    examples: int
+    classes: list[str]
+    confusion: list[list[int]]
+    accuracy: float | None
+    recall: dict[str, float | None]
+    escape_rate: float | None
+    false_reject_rate: float | None
+    secure_aggregation: bool
+    shared: dict[str, Any]  # per-factory figures, only of factories that chose --share-metrics
 
 
 class ActionOut(BaseModel):
@@ -71,6 +91,8 @@ class VersionDetail(VersionOut):
     participants: list[str]
     privacy: dict[str, Any]
     metrics: dict[str, Any]
+    model_input: dict[str, Any]
+    evaluations: list[EvaluationOut]  # newest first
 
 
 class FactoryOut(BaseModel):

@@ -8,7 +8,7 @@ from typing import Any
 
 from common.signing import VerificationError, load_public, verify_manifest
 from server.dashboard import schemas
-from server.registry.schema import Run, Version
+from server.registry.schema import Evaluation, Run, Version
 from server.registry.service import Registry
 
 
@@ -35,14 +35,42 @@ def run_detail(reg: Registry, run_id: str) -> schemas.RunDetail | None:
     return schemas.RunDetail(**_run_out(reg, run).model_dump(), rounds=rounds, config=run.config)
 
 
-def version_out(v: Version) -> schemas.VersionOut:
+def version_out(v: Version, evaluation: Evaluation | None = None) -> schemas.VersionOut:
+    f = evaluation.figures if evaluation is not None else {}
     return schemas.VersionOut(id=v.id, run_id=v.run_id, server_round=v.server_round, parent_id=v.parent_id, kind=v.kind,
                               architecture=v.architecture, status=v.status, accuracy=v.metrics.get("accuracy"),
-                              secure_aggregation=v.secure_aggregation, created_at=v.created_at, sha256=v.sha256, size_bytes=v.size_bytes)
+                              secure_aggregation=v.secure_aggregation, created_at=v.created_at, sha256=v.sha256, size_bytes=v.size_bytes,
+                              federated_accuracy=f.get("accuracy"), escape_rate=f.get("escape-rate"), false_reject_rate=f.get("false-reject-rate"))
+
+
+def evaluation_out(e: Evaluation) -> schemas.EvaluationOut:
+    f = e.figures
+    return schemas.EvaluationOut(server_round=e.server_round, phase=e.phase, factories=e.factories, examples=e.examples, classes=e.classes,
+                                 confusion=e.confusion, accuracy=f.get("accuracy"), recall=f.get("recall") or {}, escape_rate=f.get("escape-rate"),
+                                 false_reject_rate=f.get("false-reject-rate"), secure_aggregation=e.secure_aggregation, shared=e.shared)
+
+
+def latest_evaluations(reg: Registry) -> dict[str, Evaluation]:
+    """Each version's most recent federated evaluation, by version id."""
+    return {e.version_id: e for e in reg.evaluations()}
 
 
 def versions(reg: Registry, status: str | None = None) -> list[schemas.VersionOut]:
-    return [version_out(v) for v in reversed(reg.versions(status=status))]
+    latest = latest_evaluations(reg)
+    return [version_out(v, latest.get(v.id)) for v in reversed(reg.versions(status=status))]
+
+
+def federated_series(reg: Registry, run_id: str) -> dict[str, list[tuple[float, float]]]:
+    """Per version round of a run: federated accuracy, escape and false-reject rates (the latest evaluation of each version)."""
+    rounds = {v.id: v.server_round for v in reg.versions(run_id)}
+    out: dict[str, list[tuple[float, float]]] = {"accuracy": [], "escape rate": [], "false-reject rate": []}
+    for version_id, e in latest_evaluations(reg).items():
+        if version_id not in rounds:
+            continue
+        for name, key in (("accuracy", "accuracy"), ("escape rate", "escape-rate"), ("false-reject rate", "false-reject-rate")):
+            if e.figures.get(key) is not None:
+                out[name].append((float(rounds[version_id]), float(e.figures[key])))
+    return out
 
 
 def signature_status(v: Version, public_key_path: Path | None) -> str:
@@ -61,16 +89,18 @@ def version_detail(reg: Registry, version_id: str, public_key_path: Path | None)
     v = reg.get_version(version_id)
     if v is None:
         return None
+    evaluations = reg.evaluations(version_id=v.id)
     lineage, cursor = [], v
     while cursor is not None and len(lineage) < 10_000:
-        lineage.append(version_out(cursor))
+        lineage.append(version_out(cursor, evaluations[-1] if cursor is v and evaluations else None))
         cursor = reg.get_version(cursor.parent_id) if cursor.parent_id else None
     children = [version_out(c) for c in reg.versions() if c.parent_id == v.id]
     actions = [schemas.ActionOut(id=a.id, version_id=a.version_id, action=a.action, actor=a.actor, note=a.note, at=a.at)
                for a in reg.actions(version_id=v.id)]
     return schemas.VersionDetail(
-        **version_out(v).model_dump(), manifest=json.loads(v.manifest) if v.manifest else {}, signature_status=signature_status(v, public_key_path),
-        lineage=lineage, children=children, actions=actions, participants=v.participants, privacy=v.privacy, metrics=v.metrics,
+        **version_out(v, evaluations[-1] if evaluations else None).model_dump(), manifest=json.loads(v.manifest) if v.manifest else {},
+        signature_status=signature_status(v, public_key_path), lineage=lineage, children=children, actions=actions, participants=v.participants,
+        privacy=v.privacy, metrics=v.metrics, model_input=v.model_input or {}, evaluations=[evaluation_out(e) for e in reversed(evaluations)],
     )
 
 
@@ -134,8 +164,9 @@ def fingerprint(reg: Registry) -> str:
     all_runs = reg.runs()
     last = all_runs[-1] if all_runs else None
     actions = reg.actions()
+    evaluations = reg.evaluations(run_id=last.id) if last else []
     return json.dumps([len(all_runs), last.status if last else "", len(reg.rounds(last.id)) if last else 0, len(reg.versions()),
-                       actions[-1].id if actions else 0])
+                       actions[-1].id if actions else 0, len(evaluations)])
 
 
 def prometheus(reg: Registry) -> str:

@@ -21,7 +21,8 @@ class Base(DeclarativeBase):
 
 
 class Run(Base):
-    """One federation run (one Flower run); ``status`` is running, finished or failed."""
+    """One federation run (one Flower run); ``status`` is running, finished, failed (every round aborted, or an
+    error), interrupted (the SuperLink went away; resumable) or stopped (by an operator)."""
 
     __tablename__ = "runs"
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -74,6 +75,26 @@ class Version(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     manifest: Mapped[str] = mapped_column(Text, default="")  # canonical JSON, what the signature covers
     signature: Mapped[str] = mapped_column(Text, default="")  # {"key_id", "signature"} envelope
+    model_input: Mapped[dict[str, Any]] = mapped_column(default=dict)  # classes, image_size, channels, backbone
+
+
+class Evaluation(Base):
+    """A version's figures on the factories' own held-out images (federated evaluation), summed over factories."""
+
+    __tablename__ = "evaluations"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    version_id: Mapped[str] = mapped_column(ForeignKey("versions.id"), index=True)
+    run_id: Mapped[str] = mapped_column(String(64), index=True)
+    server_round: Mapped[int] = mapped_column(Integer)  # the round whose messages carried the evaluation
+    phase: Mapped[str] = mapped_column(String(16))  # "round" (before local training) | "final" (evaluate-only phase)
+    factories: Mapped[int] = mapped_column(Integer)
+    examples: Mapped[int] = mapped_column(Integer)
+    classes: Mapped[list[Any]] = mapped_column(default=list)
+    confusion: Mapped[list[Any]] = mapped_column(default=list)  # rows: true class, columns: predicted class
+    figures: Mapped[dict[str, Any]] = mapped_column(default=dict)  # accuracy, recall, escape-rate, false-reject-rate
+    shared: Mapped[dict[str, Any]] = mapped_column(default=dict)  # per-factory figures of factories that chose to share them
+    secure_aggregation: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 class Action(Base):

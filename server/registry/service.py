@@ -17,7 +17,7 @@ from sqlalchemy.orm import sessionmaker
 from server.registry.artifacts import ArtifactStore, decode_weights, encode_weights
 from common.signing import canonical, create_keypair, load_private, sign
 from server.registry.migrate import upgrade
-from server.registry.schema import Action, Round, Run, Version, utcnow
+from server.registry.schema import Action, Evaluation, Round, Run, Version, utcnow
 
 TRANSITIONS = {("candidate", "approved"), ("candidate", "revoked"), ("approved", "revoked"), ("approved", "approved")}
 
@@ -33,6 +33,7 @@ def manifest_of(v: Version) -> dict[str, Any]:
         "num_parameters": v.num_parameters, "sha256": v.sha256, "size_bytes": v.size_bytes, "metrics": v.metrics,
         "participants": v.participants, "secure_aggregation": v.secure_aggregation, "privacy": v.privacy,
         "code_version": v.code_version, "created_at": v.created_at.isoformat(), "format": "npz",
+        "model_input": v.model_input,
     }
 
 
@@ -78,6 +79,21 @@ class NewVersion:
     participants: list[str]
     secure_aggregation: bool = False
     privacy: dict[str, Any] | None = None
+    model_input: dict[str, Any] | None = None  # classes, image_size, channels, backbone: how edges feed the model
+
+
+@dataclass
+class NewEvaluation:
+    version_id: str
+    run_id: str
+    server_round: int
+    phase: str  # "round" | "final"
+    factories: int
+    classes: list[str]
+    confusion: np.ndarray
+    figures: dict[str, Any]
+    shared: dict[str, Any]
+    secure_aggregation: bool
 
 
 class Registry:
@@ -140,7 +156,7 @@ class Registry:
             architecture=new.architecture, num_parameters=int(sum(a.size for a in new.weights.values())), sha256=digest,
             size_bytes=len(blob), metrics=new.metrics, participants=new.participants,
             secure_aggregation=new.secure_aggregation, privacy=new.privacy or {}, code_version=self._code_version,
-            created_at=utcnow(),
+            created_at=utcnow(), model_input=new.model_input or {},
         )
         manifest = manifest_of(version)
         version.manifest = canonical(manifest).decode()
@@ -148,6 +164,30 @@ class Registry:
         with self.session.begin() as s:
             s.add(version)
         return version
+
+    # federated evaluation ------------------------------------------------------------------
+    def record_evaluation(self, new: NewEvaluation) -> Evaluation:
+        row = Evaluation(version_id=new.version_id, run_id=new.run_id, server_round=new.server_round, phase=new.phase, factories=new.factories,
+                         examples=int(np.asarray(new.confusion).sum()), classes=list(new.classes),
+                         confusion=np.asarray(new.confusion, dtype=np.int64).tolist(), figures=new.figures, shared=new.shared,
+                         secure_aggregation=new.secure_aggregation, created_at=utcnow())
+        with self.session.begin() as s:
+            s.add(row)
+        return row
+
+    def evaluations(self, version_id: str | None = None, run_id: str | None = None) -> list[Evaluation]:
+        with self.session() as s:
+            q = select(Evaluation).order_by(Evaluation.id)
+            if version_id is not None:
+                q = q.where(Evaluation.version_id == version_id)
+            if run_id is not None:
+                q = q.where(Evaluation.run_id == run_id)
+            return list(s.scalars(q))
+
+    def latest_evaluation(self, version_id: str) -> Evaluation | None:
+        """The most recent federated evaluation of a version (the final phase's, when there was one)."""
+        with self.session() as s:
+            return s.scalars(select(Evaluation).where(Evaluation.version_id == version_id).order_by(Evaluation.id.desc()).limit(1)).first()
 
     # status --------------------------------------------------------------------------------
     def set_status(self, version_id: str, status: str, actor: str, action: str | None = None, note: str = "") -> Version:

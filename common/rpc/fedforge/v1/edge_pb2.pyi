@@ -69,7 +69,7 @@ class TrainRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., server_round: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., secagg: _Optional[_Mapping[str, Value]] = ...) -> None: ...
 
 class TrainReply(_message.Message):
-    __slots__ = ("factory_id", "weights", "num_examples", "metrics", "masked", "predictions", "class_counts")
+    __slots__ = ("factory_id", "weights", "num_examples", "metrics", "masked", "predictions", "class_counts", "confusion")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class TrainReply(_message.Message):
     MASKED_FIELD_NUMBER: _ClassVar[int]
     PREDICTIONS_FIELD_NUMBER: _ClassVar[int]
     CLASS_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    CONFUSION_FIELD_NUMBER: _ClassVar[int]
     factory_id: str
     weights: _containers.RepeatedCompositeFieldContainer[Tensor]
     num_examples: int
@@ -91,7 +92,8 @@ class TrainReply(_message.Message):
     masked: Tensor
     predictions: Tensor
     class_counts: Tensor
-    def __init__(self, factory_id: _Optional[str] = ..., weights: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., num_examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., masked: _Optional[_Union[Tensor, _Mapping]] = ..., predictions: _Optional[_Union[Tensor, _Mapping]] = ..., class_counts: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    confusion: Tensor
+    def __init__(self, factory_id: _Optional[str] = ..., weights: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., num_examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., masked: _Optional[_Union[Tensor, _Mapping]] = ..., predictions: _Optional[_Union[Tensor, _Mapping]] = ..., class_counts: _Optional[_Union[Tensor, _Mapping]] = ..., confusion: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ProxyRequest(_message.Message):
     __slots__ = ("sha256", "images")
@@ -144,19 +146,28 @@ class SecAggReply(_message.Message):
     def __init__(self, factory_id: _Optional[str] = ..., fields: _Optional[_Mapping[str, Value]] = ...) -> None: ...
 
 class EvaluateRequest(_message.Message):
-    __slots__ = ("run_id", "server_round", "weights", "config")
+    __slots__ = ("run_id", "server_round", "weights", "config", "secagg")
+    class SecaggEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Value
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Value, _Mapping]] = ...) -> None: ...
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SERVER_ROUND_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     server_round: int
     weights: _containers.RepeatedCompositeFieldContainer[Tensor]
     config: _struct_pb2.Struct
-    def __init__(self, run_id: _Optional[str] = ..., server_round: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    secagg: _containers.MessageMap[str, Value]
+    def __init__(self, run_id: _Optional[str] = ..., server_round: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., secagg: _Optional[_Mapping[str, Value]] = ...) -> None: ...
 
 class EvaluateReply(_message.Message):
-    __slots__ = ("factory_id", "num_examples", "metrics")
+    __slots__ = ("factory_id", "num_examples", "metrics", "confusion", "masked")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -167,18 +178,51 @@ class EvaluateReply(_message.Message):
     FACTORY_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    CONFUSION_FIELD_NUMBER: _ClassVar[int]
+    MASKED_FIELD_NUMBER: _ClassVar[int]
     factory_id: str
     num_examples: int
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, factory_id: _Optional[str] = ..., num_examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    confusion: Tensor
+    masked: Tensor
+    def __init__(self, factory_id: _Optional[str] = ..., num_examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., confusion: _Optional[_Union[Tensor, _Mapping]] = ..., masked: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ("config",)
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    config: _struct_pb2.Struct
+    def __init__(self, config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+
+class DescribeReply(_message.Message):
+    __slots__ = ("factory_id", "architecture", "fits", "reason", "data_source", "class_counts")
+    FACTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    FITS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DATA_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    CLASS_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    factory_id: str
+    architecture: str
+    fits: bool
+    reason: str
+    data_source: str
+    class_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, factory_id: _Optional[str] = ..., architecture: _Optional[str] = ..., fits: _Optional[bool] = ..., reason: _Optional[str] = ..., data_source: _Optional[str] = ..., class_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("factory_id", "status", "num_examples", "data_source", "uptime_seconds", "pid", "skipped_files", "privacy", "architecture")
+    __slots__ = ("factory_id", "status", "num_examples", "data_source", "uptime_seconds", "pid", "skipped_files", "privacy", "architecture", "figures", "serving")
     class PrivacyEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class FiguresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +238,8 @@ class HealthReply(_message.Message):
     SKIPPED_FILES_FIELD_NUMBER: _ClassVar[int]
     PRIVACY_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    FIGURES_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
     factory_id: str
     status: str
     num_examples: int
@@ -203,7 +249,9 @@ class HealthReply(_message.Message):
     skipped_files: _containers.RepeatedScalarFieldContainer[str]
     privacy: _containers.ScalarMap[str, float]
     architecture: str
-    def __init__(self, factory_id: _Optional[str] = ..., status: _Optional[str] = ..., num_examples: _Optional[int] = ..., data_source: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pid: _Optional[int] = ..., skipped_files: _Optional[_Iterable[str]] = ..., privacy: _Optional[_Mapping[str, float]] = ..., architecture: _Optional[str] = ...) -> None: ...
+    figures: _containers.ScalarMap[str, float]
+    serving: str
+    def __init__(self, factory_id: _Optional[str] = ..., status: _Optional[str] = ..., num_examples: _Optional[int] = ..., data_source: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pid: _Optional[int] = ..., skipped_files: _Optional[_Iterable[str]] = ..., privacy: _Optional[_Mapping[str, float]] = ..., architecture: _Optional[str] = ..., figures: _Optional[_Mapping[str, float]] = ..., serving: _Optional[str] = ...) -> None: ...
 
 class InspectRequest(_message.Message):
     __slots__ = ("image", "request_id")

@@ -50,6 +50,11 @@ class EdgeAgentStub:
                 request_serializer=fedforge_dot_v1_dot_edge__pb2.HealthRequest.SerializeToString,
                 response_deserializer=fedforge_dot_v1_dot_edge__pb2.HealthReply.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/fedforge.v1.EdgeAgent/Describe',
+                request_serializer=fedforge_dot_v1_dot_edge__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=fedforge_dot_v1_dot_edge__pb2.DescribeReply.FromString,
+                _registered_method=True)
         self.SecAgg = channel.unary_unary(
                 '/fedforge.v1.EdgeAgent/SecAgg',
                 request_serializer=fedforge_dot_v1_dot_edge__pb2.SecAggRequest.SerializeToString,
@@ -78,6 +83,12 @@ class EdgeAgentServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Health(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Describe(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -112,6 +123,11 @@ def add_EdgeAgentServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=fedforge_dot_v1_dot_edge__pb2.HealthRequest.FromString,
                     response_serializer=fedforge_dot_v1_dot_edge__pb2.HealthReply.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=fedforge_dot_v1_dot_edge__pb2.DescribeRequest.FromString,
+                    response_serializer=fedforge_dot_v1_dot_edge__pb2.DescribeReply.SerializeToString,
             ),
             'SecAgg': grpc.unary_unary_rpc_method_handler(
                     servicer.SecAgg,
@@ -205,6 +221,33 @@ class EdgeAgent:
             '/fedforge.v1.EdgeAgent/Health',
             fedforge_dot_v1_dot_edge__pb2.HealthRequest.SerializeToString,
             fedforge_dot_v1_dot_edge__pb2.HealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedforge.v1.EdgeAgent/Describe',
+            fedforge_dot_v1_dot_edge__pb2.DescribeRequest.SerializeToString,
+            fedforge_dot_v1_dot_edge__pb2.DescribeReply.FromString,
             options,
             channel_credentials,
             insecure,

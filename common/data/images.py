@@ -1,0 +1,90 @@
+"""Turning an image file (any format Pillow reads, any size, grey or colour) into model input.
+
+Every site uses this one function, so a factory's training images, the server's test and proxy sets
+and an inspection station's request are resized the same way:
+
+- **Letterbox, never crop.** The longer side is scaled to ``size`` (bilinear, aspect ratio kept) and
+  the shorter side is padded, centred, with the image's own mean colour. A crop could cut away the
+  defect an image is labelled for; padding with the mean leaves per-image statistics nearly as they
+  were. Square images are simply resized.
+- **Channels.** ``channels=1`` converts to 8-bit grey (ITU-R 601 luma), ``channels=3`` to RGB (a grey
+  image is replicated into three equal channels).
+- Values are float32 in [0, 1], shape (channels, size, size).
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+
+SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".gif", ".pgm", ".ppm"})
+MAX_PIXELS = 64_000_000  # larger images are refused (decompression bombs)
+CHANNELS = (1, 3)
+
+
+class ImageError(ValueError):
+    """An image that cannot be decoded (truncated, not an image, too large); the message says why."""
+
+
+def _mode(channels: int) -> str:
+    if channels not in CHANNELS:
+        raise ValueError(f"channels must be 1 (grey) or 3 (RGB), got {channels}")
+    return "L" if channels == 1 else "RGB"
+
+
+def to_array(img: object, size: int, channels: int) -> np.ndarray:
+    """A decoded PIL image -> float32 (channels, size, size) in [0, 1] (letterboxed, see the module doc)."""
+    from PIL import Image
+
+    assert isinstance(img, Image.Image)
+    img = img.convert(_mode(channels))
+    w, h = img.size
+    if w == h:
+        out = img.resize((size, size), Image.BILINEAR)
+    else:
+        scale = size / max(w, h)
+        nw, nh = max(1, round(w * scale)), max(1, round(h * scale))
+        resized = img.resize((nw, nh), Image.BILINEAR)
+        mean = np.asarray(resized, dtype=np.float32).reshape(nh * nw, -1).mean(axis=0)
+        fill = int(round(float(mean[0]))) if channels == 1 else tuple(int(round(float(m))) for m in mean)
+        out = Image.new(img.mode, (size, size), fill)
+        out.paste(resized, ((size - nw) // 2, (size - nh) // 2))
+    array = np.asarray(out, dtype=np.float32) / 255.0
+    return array[None] if channels == 1 else np.ascontiguousarray(array.transpose(2, 0, 1))
+
+
+def _decode(source: object, size: int, channels: int, name: str) -> np.ndarray:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(source) as img:  # type: ignore[arg-type]
+            if img.width * img.height > MAX_PIXELS:
+                raise ImageError(f"{name}: {img.width}x{img.height} pixels exceeds the {MAX_PIXELS} pixel limit")
+            img.load()  # raises on truncated files (LOAD_TRUNCATED_IMAGES stays off)
+            return to_array(img, size, channels)
+    except ImageError:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        raise ImageError(f"{name}: cannot decode image: {exc}") from exc
+
+
+def read_image(path: str | Path, size: int, channels: int = 1) -> np.ndarray:
+    """One image file as float32 (channels, size, size); raises `ImageError` naming the file."""
+    return _decode(Path(path), size, channels, str(path))
+
+
+def decode_image_bytes(data: bytes, size: int, channels: int = 1, max_bytes: int = 8 << 20) -> np.ndarray:
+    """Encoded image bytes (an inspection request) -> float32 (channels, size, size)."""
+    if not data:
+        raise ImageError("empty image")
+    if len(data) > max_bytes:
+        raise ImageError(f"image of {len(data)} bytes exceeds the {max_bytes} byte limit")
+    return _decode(io.BytesIO(data), size, channels, "image")
+
+
+def grey_to_channels(images: np.ndarray, channels: int) -> np.ndarray:
+    """Generated grey images (N, 1, H, W) as ``channels`` channels (replicated for RGB)."""
+    _mode(channels)
+    return images if channels == images.shape[1] else np.repeat(images[:, :1], channels, axis=1)

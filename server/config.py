@@ -1,0 +1,148 @@
+"""The run configuration: what ``[tool.flwr.app.config]`` and ``fedforge run --set key=value`` control.
+
+Three typed parts, each with its defaults written once:
+
+- `FederationConfig` (here): rounds, cohort, timeouts, the data contract (class list, image size,
+  channels), the server optimiser, secure aggregation, distillation;
+- `common.training.TrainConfig`: every local-training option a factory accepts, sent to factories
+  with each train message;
+- the factories' own limits (privacy budget, whether figures leave the site) are *not* here: they are
+  the factory's configuration (`client.config.AgentConfig`) and no run can change them.
+
+Run-config keys are the field names with '-' for '_'; pyproject's table must list exactly these keys
+with these defaults (a test checks it).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from common.data.classes import DEFAULT_CLASSES, format_classes, parse_classes
+from common.data.datasets import SyntheticSpec
+from common.evaluation import DEFAULT_GOOD_CLASS
+from common.training import TrainConfig, coerce
+
+log = logging.getLogger("fedforge.server")
+
+DISTILL_MODES = ("off", "after", "only")
+SERVER_OPTIMIZERS = ("fedavg", "fedavgm", "fedadam")
+
+
+@dataclass(frozen=True)
+class FederationConfig:
+    """Server-side run configuration; keys match ``[tool.flwr.app.config]`` with '-' for '_'."""
+
+    num_server_rounds: int = 3
+    min_factories: int = 2
+    expected_factories: int = 0  # wait for this many factories before round 1 (0: min_factories)
+    wait_for_factories: float = 120.0
+    round_timeout: float = 300.0
+    architecture: str = "cnn-small"  # for factories that do not declare one
+    seed: int = 0  # model initialisation and local-training seeds
+    # The data contract every factory and the server share.
+    classes: str = format_classes(DEFAULT_CLASSES)  # ordered class names; a label is a position in this list
+    image_size: int = 64  # images are letterboxed to image_size x image_size (common.data.images)
+    channels: int = 1  # 1: grey, 3: RGB
+    good_class: str = DEFAULT_GOOD_CLASS  # the class that is not a defect (escape and false-reject rates)
+    # The generated federation (demo, tests) and the central test set.
+    data_seed: int = 0
+    num_factories: int = 3
+    alpha: float = 1.0
+    test_size: int = 600  # generated test images, used only when the factories' data is generated
+    test_data: str = ""  # an image folder for central evaluation (optional)
+    registry_dir: str = ""  # absolute path; empty: ./fedforge-registry in the SuperLink's directory
+    torch_threads: int = 1
+    # The server optimiser applied to the averaged update (Reddi et al. 2021).
+    server_optimizer: str = "fedavg"  # fedavg | fedavgm | fedadam
+    server_lr: float = 1.0
+    server_momentum: float = 0.0  # FedAvgM's beta; FedAdam's beta1
+    server_beta2: float = 0.99  # FedAdam
+    server_tau: float = 1e-3  # FedAdam's adaptivity (epsilon)
+    federated_evaluation: bool = True  # factories evaluate the model they receive; one evaluate-only phase after the last round
+    secure_aggregation: bool = True
+    secagg_threshold: int = 0  # 0: max(2, ceil(2n/3)) of the n sampled factories
+    secagg_degree: int = 0  # neighbours per factory; 0: everyone (complete graph)
+    secagg_timeout: float = 120.0  # per key-exchange / unmask stage
+    update_clip: float = 10.0  # L2 bound on each factory's update before masking
+    secagg_scale: float = 2.0**24  # fixed-point scale
+    max_weight: int = 100_000  # cap on a factory's example-count weight
+    resume_from: str = ""  # a version id: continue the federation from it (after a crash); rounds keep their numbers
+    # Distillation: "off", "after" (FedAvg, then distil the ensemble every `distill_every` rounds),
+    # or "only" (factories send predictions, never weights; every round distils).
+    distill: str = "off"
+    distill_every: int = 1
+    distill_temperature: float = 2.0
+    distill_epochs: int = 30
+    distill_patience: int = 3
+    distill_lr: float = 1e-3
+    proxy_size: int = 500  # generated proxy images (demo); ignored with proxy_data
+    proxy_data: str = ""  # a folder of unlabelled images of the domain, held by the server
+    validation_size: int = 600  # generated labelled images for keep-or-drop decisions
+    validation_data: str = ""  # an image folder (one sub-folder per class) for those decisions
+    proxy_timeout: float = 300.0
+    distill_threads: int = 0  # torch threads while distilling (the factories are idle then); 0: every core
+    agent_timeout: float = 600.0  # how long a ClientApp waits for its edge agent (read by the ClientApp)
+    training: TrainConfig = field(default_factory=TrainConfig)  # every local-training option (its own run-config keys)
+
+    def __post_init__(self) -> None:
+        if self.distill not in DISTILL_MODES:
+            raise ValueError(f"distill must be one of {DISTILL_MODES}, got {self.distill!r}")
+        if self.distill_every < 1:
+            raise ValueError(f"distill-every must be >= 1, got {self.distill_every}")
+        if self.server_optimizer not in SERVER_OPTIMIZERS:
+            raise ValueError(f"server-optimizer must be one of {SERVER_OPTIMIZERS}, got {self.server_optimizer!r}")
+        if self.server_lr <= 0 or not 0 <= self.server_momentum < 1 or not 0 <= self.server_beta2 < 1 or self.server_tau <= 0:
+            raise ValueError("server-lr and server-tau must be > 0, server-momentum and server-beta2 in [0, 1)")
+        parse_classes(self.classes)  # raises naming the problem
+        if self.channels not in (1, 3):
+            raise ValueError(f"channels must be 1 (grey) or 3 (RGB), got {self.channels}")
+        if not 8 <= self.image_size <= 1024:
+            raise ValueError(f"image-size must be between 8 and 1024, got {self.image_size}")
+
+    @classmethod
+    def server_keys(cls) -> dict[str, Any]:
+        """{run-config key: default} of the server's own fields."""
+        return {f.name.replace("_", "-"): f.default for f in fields(cls) if f.name != "training"}
+
+    @classmethod
+    def from_run_config(cls, run_config: dict[str, Any]) -> FederationConfig:
+        """Split a run config into the server's keys and the local-training keys; unknown keys are logged and ignored."""
+        known = {f.name: f for f in fields(cls) if f.name != "training"}
+        training_keys = set(TrainConfig.run_config_defaults())
+        values: dict[str, Any] = {}
+        unknown = []
+        for key, value in run_config.items():
+            name = key.replace("-", "_")
+            if name in known:
+                default = known[name].default
+                try:
+                    values[name] = coerce(value, type(default)) if default is not None else value
+                except (TypeError, ValueError):
+                    raise ValueError(f"run-config key {key!r} must be a {type(default).__name__}, got {value!r}") from None
+            elif key not in training_keys:
+                unknown.append(key)
+        if unknown:
+            log.warning("ignoring unknown run-config keys %s", sorted(unknown))
+        return cls(**values, training=TrainConfig.from_run_config(run_config, seed=int(values.get("seed", 0))))
+
+    @property
+    def class_list(self) -> tuple[str, ...]:
+        return parse_classes(self.classes)
+
+    @property
+    def spec(self) -> SyntheticSpec:
+        return SyntheticSpec(seed=self.data_seed, num_factories=self.num_factories, alpha=self.alpha, image_size=self.image_size)
+
+    def data_config(self) -> dict[str, Any]:
+        """The data contract as message config keys (every describe, train and evaluate message carries it)."""
+        return {"classes": self.classes, "image-size": self.image_size, "channels": self.channels}
+
+    def train_config(self, server_round: int, architecture: str | None = None) -> dict[str, Any]:
+        """What a train message tells a factory: the round, its architecture, the data contract and every training option."""
+        return {"server-round": server_round, "architecture": architecture or self.architecture, "seed": self.seed, **self.data_config(),
+                **self.training.to_run_config()}
+
+    def distills_in(self, server_round: int) -> bool:
+        return self.distill == "only" or (self.distill == "after" and server_round % self.distill_every == 0)

@@ -1,0 +1,42 @@
+"""The run configuration: pyproject's table, the server's and the trainer's config types agree key for key."""
+
+import logging
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from common.training import TrainConfig
+from server.config import FederationConfig
+
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+def test_pyproject_lists_exactly_the_server_and_trainer_keys_with_their_defaults():
+    table = tomllib.loads(PYPROJECT.read_text())["tool"]["flwr"]["app"]["config"]
+    expected = {**FederationConfig.server_keys(), **TrainConfig.run_config_defaults()}
+    assert not set(FederationConfig.server_keys()) & set(TrainConfig.run_config_defaults()), "a key may belong to one config type only"
+    assert set(table) == set(expected), (sorted(set(table) - set(expected)), sorted(set(expected) - set(table)))
+    assert {k: table[k] for k in expected} == expected
+
+
+def test_every_training_option_is_reachable_from_the_run_config():
+    run = {"local-epochs": 3, "augment": True, "weight-decay": 0.01, "grad-clip": 1.5, "bf16": True, "activation-checkpointing": True,
+           "proximal-mu": 0.1, "lr": 0.01}
+    cfg = FederationConfig.from_run_config({**run, "num-server-rounds": 5})
+    assert cfg.num_server_rounds == 5
+    assert {k: cfg.training.to_run_config()[k] for k in run} == run
+    sent = cfg.train_config(2, "cnn-small")
+    assert {k: sent[k] for k in run} == run and sent["classes"] == cfg.classes and sent["image-size"] == 64
+
+
+def test_unknown_keys_are_logged_and_bad_values_name_their_key(caplog):
+    with caplog.at_level(logging.WARNING, logger="fedforge.server"):
+        FederationConfig.from_run_config({"learning-rate": 0.1})
+    assert "learning-rate" in caplog.text
+    with pytest.raises(ValueError, match="'local-epochs'"):
+        FederationConfig.from_run_config({"local-epochs": "many"})
+    with pytest.raises(ValueError, match="server-optimizer"):
+        FederationConfig.from_run_config({"server-optimizer": "sgd"})
+    with pytest.raises(ValueError, match="more than once"):
+        FederationConfig.from_run_config({"classes": "ok,crack,ok"})
