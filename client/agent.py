@@ -92,7 +92,6 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
             masked = session.mask(encoded, list(secure["alive"]))
             shared = {**metrics, **self._own(local)} if self.trainer.cfg.share_metrics else {}
             return edge_pb2.TrainReply(factory_id=factory_id, masked=to_tensor("masked", masked), metrics={**local.privacy, **shared})
-        return edge_pb2.TrainReply()  # unreachable: context.abort raised
 
     def _own(self, local: LocalRound) -> dict[str, float]:
         """This factory's own figures on its held-out split: sent only with --share-metrics."""
@@ -121,7 +120,6 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
                 self.proxies.put(request.sha256, from_tensor(request.images))
                 log.info("stored proxy set %s... (%d images)", request.sha256[:12], request.images.shape[0])
             return edge_pb2.ProxyReply(factory_id=self.trainer.cfg.factory_id, have=self.proxies.get(request.sha256) is not None)
-        return edge_pb2.ProxyReply()
 
     def SecAgg(self, request: edge_pb2.SecAggRequest, context: grpc.ServicerContext) -> edge_pb2.SecAggReply:
         with self._lock, _status_on_error(context, f"secagg {request.stage}"):
@@ -141,7 +139,6 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
             else:
                 raise SecAggProtocolError(f"unknown secure-aggregation stage {request.stage!r}")
             return edge_pb2.SecAggReply(factory_id=self.trainer.cfg.factory_id, fields=to_values(out))
-        return edge_pb2.SecAggReply()
 
     def Evaluate(self, request: edge_pb2.EvaluateRequest, context: grpc.ServicerContext) -> edge_pb2.EvaluateReply:
         with self._lock, _status_on_error(context, "evaluate"):
@@ -160,14 +157,19 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
             contribution = Contribution(num_examples=result.examples, confusion=result.confusion, confusion_group=str(config.get("architecture")))
             encoded, _ = layout.encode(contribution, secure["clip"], secure["scale"], int(secure["max-weight"]))
             return edge_pb2.EvaluateReply(factory_id=factory_id, masked=to_tensor("masked", session.mask(encoded, list(secure["alive"]))), metrics=own)
-        return edge_pb2.EvaluateReply()
 
     def Describe(self, request: edge_pb2.DescribeRequest, context: grpc.ServicerContext) -> edge_pb2.DescribeReply:
         with _status_on_error(context, "describe"):
-            info = self.trainer.describe(_config(request.config))
+            config = _config(request.config)
+            info = self.trainer.describe(config)
+            if info["fits"]:  # decode and extract features while the server exchanges keys: round 1 then trains at once
+                threading.Thread(target=self._prefetch, args=(config,), daemon=True, name="fedforge-prefetch").start()
             return edge_pb2.DescribeReply(factory_id=self.trainer.cfg.factory_id, architecture=self.trainer.cfg.architecture, fits=info["fits"],
                                           reason=info["reason"], data_source=info["data-source"], class_counts=info.get("class-counts", []))
-        return edge_pb2.DescribeReply()
+
+    def _prefetch(self, config: dict[str, Any]) -> None:
+        with self._lock:  # a train request waits for it rather than doing the same work twice
+            self.trainer.prefetch(config)
 
     def Health(self, request: edge_pb2.HealthRequest, context: grpc.ServicerContext) -> edge_pb2.HealthReply:
         t = self.trainer
@@ -187,7 +189,10 @@ def _classes(config: dict[str, Any]) -> tuple[str, ...]:
 
 
 class _status_on_error:
-    """Turn exceptions into gRPC status codes that name the problem (never a bare INTERNAL crash)."""
+    """Turn exceptions into gRPC status codes that name the problem (never a bare INTERNAL crash).
+
+    ``context.abort`` raises, so a handler's ``with`` block either returns its reply or ends the RPC.
+    """
 
     def __init__(self, context: grpc.ServicerContext, what: str) -> None:
         self.context, self.what = context, what

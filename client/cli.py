@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import logging
-import shutil
 from dataclasses import replace
-import threading
-import time
 from pathlib import Path
 
 import click
 
 from client.config import DEFAULT_CLASSES, AgentConfig
-from common.procs import ProcessSet, supernode_env
+from common.procs import ProcessSet, keep_running, supernode_command, supernode_env
 
 log = logging.getLogger("fedforge.client")
 STABLE_SECONDS = 60.0  # a SuperNode that ran this long had connected: its next exit starts the backoff afresh
@@ -109,7 +106,7 @@ def client(superlink: str, supernode_port: int, workdir: str, insecure: bool, ro
         cfg = replace(cfg, registry_ca=str(Path(root_certificates).resolve()) if root_certificates else "")
     running = _start_agent(cfg)
     node_config = f"factory-id='{cfg.factory_id}' agent-address='{cfg.listen}'"
-    cmd = [shutil.which("flower-supernode") or "flower-supernode", "--superlink", superlink, "--port", str(supernode_port), "--node-config", node_config]
+    cmd = [*supernode_command(), "--superlink", superlink, "--port", str(supernode_port), "--node-config", node_config]
     if insecure:
         cmd.append("--insecure")
     elif not root_certificates:
@@ -118,24 +115,13 @@ def client(superlink: str, supernode_port: int, workdir: str, insecure: bool, ro
         cmd += ["--root-certificates", str(Path(root_certificates).resolve())]
     if auth_key:
         cmd += ["--auth-supernode-private-key", str(Path(auth_key).resolve())]
-    stop = threading.Event()
     with ProcessSet(Path(workdir) / "logs") as procs:
         try:
-            restarts = failures = 0
-            while not stop.is_set():
-                proc = procs.start("supernode", cmd, env=supernode_env())
-                started = time.monotonic()
-                log.info("factory %s: SuperNode pid %d dialling %s", cfg.factory_id, proc.pid, superlink)
-                while proc.poll() is None:
-                    time.sleep(0.5)
-                restarts += 1
-                # After a crash the SuperLink refuses the same (authenticated) node until its heartbeat lapses
-                # (up to 60 s in Flower 1.42), so keep retrying every few seconds rather than backing off further.
-                failures = 0 if time.monotonic() - started > STABLE_SECONDS else failures + 1
-                delay = min(MAX_RESTART_DELAY, 2**failures)
-                log.warning("factory %s: SuperNode exited with %s; restart %d in %ds", cfg.factory_id, proc.returncode, restarts, delay)
-                procs.procs.remove(("supernode", proc))
-                time.sleep(delay)
+            # After a crash the SuperLink refuses the same (authenticated) node until its heartbeat lapses
+            # (up to 60 s in Flower 1.42), so keep retrying every few seconds rather than backing off further.
+            keep_running(procs, "supernode", cmd, f"factory {cfg.factory_id}: SuperNode", env=supernode_env(), max_delay=MAX_RESTART_DELAY,
+                         stable_seconds=STABLE_SECONDS,
+                         on_start=lambda proc: log.info("factory %s: SuperNode pid %d dialling %s", cfg.factory_id, proc.pid, superlink))
         except KeyboardInterrupt:
             log.info("factory %s: stopping", cfg.factory_id)
         finally:

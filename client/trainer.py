@@ -145,6 +145,22 @@ class FactoryTrainer:
             train_set, held_out = self._features(model, request, split.train, split.held_out)
         return Prepared(architecture, model, trainable, train_set, held_out, request)
 
+    def prefetch(self, config: dict[str, Any]) -> None:
+        """Decode the images a run will ask for, and compute their backbone features, before its first round asks.
+
+        Called when the server first meets this factory (describe): the first round then trains at once
+        instead of spending its time on feature extraction. Problems are left for the round to report.
+        """
+        architecture = self.cfg.architecture or str(config.get("architecture", ""))
+        try:
+            request = data_request_from(config)
+            split = self.data.split(request)
+            if is_pretrained(architecture):
+                model = self._model(architecture, len(request.classes), request.channels, fresh=False)
+                self._features(model, request, split.train, split.held_out)
+        except (UpdateError, DatasetError, ValueError) as exc:
+            log.info("did not prepare data ahead of the first round: %s", exc)
+
     def _features(self, model: nn.Module, request: DataRequest, train_set: ImageSet, held_out: ImageSet) -> tuple[ImageSet, ImageSet]:
         """Backbone features of the split (cached on disk by backbone and image content; kept in memory per request)."""
         ident = model.backbone.spec.ident  # type: ignore[union-attr]
@@ -185,22 +201,31 @@ class FactoryTrainer:
         train_seconds = time.perf_counter() - t1
         check_like(weights, new, source=f"factory {self.cfg.factory_id} local training")
         trained = evaluate(trainable, prep.held_out) if len(prep.held_out) else None
-        self._remember(prep, new, received, trained, server_round)
+        if received is not None and trained is not None:
+            self.last_figures = {"round": server_round, "held-out": received.examples, "global-accuracy": received.accuracy,
+                                 "local-accuracy": trained.accuracy}
+            log.info("round %d: the global model scores %.4f on this factory's %d held-out images; after local training %.4f",
+                     server_round, received.accuracy, received.examples, trained.accuracy)
+            if self.personal is not None and cfg.personal_epochs > 0:
+                self._personalise(prep, weights, cfg, received, server_round)
         metrics = {"train-loss": result.loss, "train-accuracy": result.accuracy, "steps": float(result.steps),
                    "train-seconds": train_seconds, "eval-seconds": eval_seconds}
         return LocalRound(new, result.examples, received, trained, metrics, privacy)
 
-    def _remember(self, prep: Prepared, new: OrderedDict[str, np.ndarray], received: EvalResult | None, trained: EvalResult | None,
-                  server_round: int) -> None:
-        """This factory's own figures (log, Health), and its personal model when it validates better."""
-        if received is None or trained is None:
-            return
-        self.last_figures = {"round": server_round, "held-out": received.examples, "global-accuracy": received.accuracy,
-                             "local-accuracy": trained.accuracy}
-        log.info("round %d: the global model scores %.4f on this factory's %d held-out images; after local training %.4f",
-                 server_round, received.accuracy, received.examples, trained.accuracy)
-        if self.personal is not None:
-            self.personal.offer(prep.architecture, prep.request, new, trained.accuracy, received.accuracy, server_round)
+    def _personalise(self, prep: Prepared, received_weights: OrderedDict[str, np.ndarray], cfg: TrainConfig, received: EvalResult,
+                     server_round: int) -> None:
+        """The factory's personal model: the global model it received, fine-tuned on its own images (it never leaves the
+        factory, so it costs no privacy budget). Inspection serves it when it scores better on the held-out split."""
+        assert self.personal is not None
+        model = load_weights(build_model(prep.architecture, len(prep.request.classes), in_channels=prep.request.channels), received_weights)
+        tuned = federated_part(model)
+        train(tuned, prep.train_set, cfg.personal())
+        score = evaluate(tuned, prep.held_out)
+        self.personal.offer(prep.architecture, prep.request, OrderedDict((k, v.detach().cpu().numpy().copy()) for k, v in tuned.state_dict().items()),
+                            score.accuracy, received.accuracy, server_round)
+        self.last_figures |= {"personal-accuracy": score.accuracy}
+        log.info("round %d: personal model (%d epochs on this factory's images) scores %.4f on the held-out images, the global %.4f",
+                 server_round, cfg.personal_epochs, score.accuracy, received.accuracy)
 
     def _charge_privacy(self, n: int, cfg: TrainConfig, config: dict[str, Any], server_round: int, run_id: str) -> tuple[dict[str, float], DPPlan]:
         """Charge the ledger for this round (or refuse it with `BudgetExhausted`) before any training.

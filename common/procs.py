@@ -14,7 +14,9 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -30,6 +32,11 @@ def supernode_env() -> dict[str, str]:
     secure round handles two; an operator's own FLWR_SUPEREXEC_TASK_POLL_INTERVAL is kept.
     """
     return {"FLWR_TELEMETRY_ENABLED": "0", SUPEREXEC_POLL_ENV: os.environ.get(SUPEREXEC_POLL_ENV, "0.1")}
+
+
+def supernode_command() -> list[str]:
+    """Flower's SuperNode as FedForge runs it: `client.supernode` (Flower's entry point with a shorter idle poll)."""
+    return [sys.executable, "-m", "client.supernode"]
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -102,10 +109,17 @@ class ProcessSet:
         self.procs.append((name, proc))
         return proc
 
-    def stop_all(self) -> None:
+    def stop_all(self, timeout: float = 10.0) -> None:
+        """SIGTERM every child's process group at once, give them ``timeout`` seconds together, then SIGKILL what is left."""
         for name, proc in reversed(self.procs):
             log.debug("stopping %s (pid %d)", name, proc.pid)
-            stop_process(proc)
+            _kill_group(proc.pid, signal.SIGTERM if proc.poll() is None else signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        for _, proc in reversed(self.procs):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.0, deadline - time.monotonic()))
+        for _, proc in reversed(self.procs):
+            stop_process(proc, timeout=0.0)  # reap, and SIGKILL the group of anything still running
         self.procs.clear()
 
     def dead(self) -> list[tuple[str, int]]:
@@ -125,3 +139,29 @@ class ProcessSet:
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         raise KeyboardInterrupt(f"received signal {signum}")
+
+
+def keep_running(procs: ProcessSet, name: str, cmd: list[str], what: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+                 on_start: Callable[[subprocess.Popen], None] | None = None, max_delay: float = 30.0, stable_seconds: float = 60.0) -> None:
+    """Run ``cmd`` as child ``name`` of ``procs`` and restart it whenever it exits, until interrupted (KeyboardInterrupt).
+
+    The delay before a restart doubles (2, 4, ... ``max_delay`` s) while the process keeps dying young and
+    starts again at 2 s after a run of ``stable_seconds``. What the dead process left behind (a SuperLink's
+    ServerApp, a SuperNode's ClientApps) is stopped with it. ``fedforge server`` keeps its SuperLink
+    alive this way, ``fedforge client`` its SuperNode.
+    """
+    restarts = failures = 0
+    while True:
+        proc = procs.start(name, cmd, env=env, cwd=cwd)
+        started = time.monotonic()
+        if on_start is not None:
+            on_start(proc)
+        while proc.poll() is None:
+            time.sleep(0.5)
+        restarts += 1
+        failures = 0 if time.monotonic() - started > stable_seconds else failures + 1
+        delay = min(max_delay, 2.0**failures)
+        log.warning("%s exited with %s; restart %d in %.0fs", what, proc.returncode, restarts, delay)
+        procs.procs.remove((name, proc))
+        stop_process(proc)
+        time.sleep(delay)

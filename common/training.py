@@ -10,7 +10,7 @@ import math
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -56,7 +56,7 @@ class TrainConfig:
     factory builds this from them (`from_run_config`). ``seed`` is derived per round, not configured.
     """
 
-    epochs: int = field(default=1, metadata=_key("local-epochs", "local epochs per round"))
+    epochs: int = field(default=2, metadata=_key("local-epochs", "local epochs per round"))
     batch_size: int = field(default=16, metadata=_key("batch-size", "local mini-batch size"))
     lr: float = field(default=1e-3, metadata=_key("lr", "local learning rate"))
     optimizer: str = field(default="adamw", metadata=_key("optimizer", "local optimiser: adamw | sgd"))
@@ -68,6 +68,9 @@ class TrainConfig:
     bf16: bool = field(default=False, metadata=_key("bf16", "bf16 autocast for the forward pass"))
     activation_checkpointing: bool = field(default=False, metadata=_key("activation-checkpointing", "recompute activations in backward"))
     proximal_mu: float = field(default=0.0, metadata=_key("proximal-mu", "FedProx: weight of mu/2 ||w - w_global||^2, 0 = off"))
+    logit_adjustment: float = field(default=0.0, metadata=_key("logit-adjustment", "tau: train on logits + tau log(local label prior), 0 = off"))
+    personal_epochs: int = field(default=10, metadata=_key("personal-epochs", "epochs of a factory's personal fine-tune of each global model"))
+    personal_lr: float = field(default=1e-3, metadata=_key("personal-lr", "learning rate of that fine-tune (not decayed over rounds)"))
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -75,6 +78,8 @@ class TrainConfig:
             raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {self.optimizer!r}")
         if self.epochs < 0 or self.batch_size < 1 or self.lr <= 0:
             raise ValueError(f"local-epochs must be >= 0, batch-size >= 1 and lr > 0 (got {self.epochs}, {self.batch_size}, {self.lr})")
+        if self.personal_epochs < 0 or self.personal_lr <= 0:
+            raise ValueError(f"personal-epochs must be >= 0 and personal-lr > 0 (got {self.personal_epochs}, {self.personal_lr})")
         if self.proximal_mu < 0 or self.weight_decay < 0 or self.grad_clip < 0 or not 0 <= self.warmup_fraction < 1:
             raise ValueError("proximal-mu, weight-decay and grad-clip must be >= 0 and warmup-fraction in [0, 1)")
 
@@ -97,6 +102,10 @@ class TrainConfig:
             except (TypeError, ValueError):
                 raise ValueError(f"run-config key {key!r} must be a {type(f.default).__name__}, got {raw!r}") from None
         return cls(**values)
+
+    def personal(self) -> TrainConfig:
+        """The fine-tune that makes a factory's personal model: its own epochs and learning rate, plain cross-entropy."""
+        return replace(self, epochs=self.personal_epochs, lr=self.personal_lr, proximal_mu=0.0, logit_adjustment=0.0)
 
     def to_run_config(self) -> dict[str, Any]:
         return {f.metadata["key"]: getattr(self, f.name) for f in fields(self) if "key" in f.metadata}
@@ -155,6 +164,20 @@ def _batch(data: ImageSet, idx: torch.Tensor, device: torch.device) -> tuple[tor
     return torch.from_numpy(data.images_at(i)).to(device), torch.from_numpy(np.asarray(data.labels)[i]).to(device)
 
 
+def label_prior_adjustment(labels: np.ndarray, classes: int, tau: float) -> torch.Tensor:
+    """tau * log(prior) of this factory's labels (add-one smoothed), added to the logits in the training loss.
+
+    Logit-adjusted cross-entropy (Menon et al. 2021; FedLC, Zhang et al. 2022): a factory that has seen
+    mostly one class learns how much an image looks like each class rather than "my majority class",
+    so the averaged model is not dragged towards each factory's label mix. Predictions use the plain
+    logits. 0 leaves the loss unchanged.
+    """
+    if tau <= 0:
+        return torch.zeros(classes)
+    counts = np.bincount(labels.astype(np.int64), minlength=classes).astype(np.float64) + 1.0
+    return torch.from_numpy(tau * np.log(counts / counts.sum())).float()
+
+
 def proximal_term(model: nn.Module, anchor: list[torch.Tensor]) -> torch.Tensor:
     """FedProx (Li et al. 2020): ||w - w_global||^2 over the trainable parameters (times mu/2 by the caller)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -179,6 +202,7 @@ def train(model: nn.Module, data: ImageSet, cfg: TrainConfig, shard: tuple[int, 
     model.train()
     device = next(iter(model.parameters())).device
     anchor = [p.detach().clone() for p in model.parameters() if p.requires_grad] if cfg.proximal_mu > 0 else []
+    adjust = label_prior_adjustment(np.asarray(data.labels), len(data.classes), cfg.logit_adjustment).to(device)
     loss_sum, correct, seen, step = 0.0, 0, 0, 0
     for _ in range(cfg.epochs):
         order = torch.randperm(n, generator=generator)
@@ -192,7 +216,7 @@ def train(model: nn.Module, data: ImageSet, cfg: TrainConfig, shard: tuple[int, 
             # Sum over this rank's slice, divided by the *global* batch size (times world size, which
             # DDP/FSDP divide back out when they average): exactly the single-process mean loss,
             # whatever the slice sizes, and an empty slice contributes zero.
-            loss_sum_local = F.cross_entropy(logits.float(), y, reduction="sum")
+            loss_sum_local = F.cross_entropy(logits.float() + adjust, y, reduction="sum")
             loss = loss_sum_local * (world_size / len(batch))
             if anchor:
                 loss = loss + 0.5 * cfg.proximal_mu * proximal_term(model, anchor)

@@ -10,6 +10,7 @@ so each round evaluates or distils the head alone.
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,14 @@ class CentralData:
         self.cfg = cfg
         self.features = FeatureCache(directory / "features.db")
         self.test: ImageSet | None = None
+        self._inputs: dict[tuple[str, int], ImageSet] = {}  # (architecture, id of the set) -> what its model consumes
+        self._lock = threading.Lock()
+
+    def warm_up(self, model: nn.Module, architecture: str) -> None:
+        """Compute the test set's backbone features in the background (round 1's key exchange runs meanwhile)."""
+        if self.test is not None and is_pretrained(architecture):
+            test = self.test
+            threading.Thread(target=lambda: self.inputs(model, architecture, test), daemon=True, name="fedforge-test-features").start()
 
     def choose_test_set(self, factories_generated: bool) -> None:
         """``test-data`` when given; a generated set only when every factory's data is generated; else none."""
@@ -52,11 +61,16 @@ class CentralData:
                      "the factories' federated evaluation is the only measure")
 
     def inputs(self, model: nn.Module, architecture: str, data: ImageSet) -> ImageSet:
-        """What ``federated_part(model)`` consumes for ``data``: the images, or their cached backbone features."""
+        """What ``federated_part(model)`` consumes for ``data``: the images, or their cached backbone features
+        (computed once per set; a second caller waits for the first)."""
         if not is_pretrained(architecture):
             return data
-        keys = array_keys(data.images) if isinstance(data, ImageDataset) else None
-        return features_of(data, model.backbone.spec.ident, model.encode, self.features, keys)  # type: ignore[union-attr,operator]
+        key = (architecture, id(data))
+        with self._lock:
+            if key not in self._inputs:
+                keys = array_keys(data.images) if isinstance(data, ImageDataset) else None
+                self._inputs[key] = features_of(data, model.backbone.spec.ident, model.encode, self.features, keys)  # type: ignore[union-attr,operator]
+            return self._inputs[key]
 
     def proxy_inputs(self, model: nn.Module, architecture: str, images: np.ndarray) -> np.ndarray:
         if not is_pretrained(architecture):

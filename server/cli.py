@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
+from typing import Any
 
 import click
 
-from common.procs import ProcessSet, stop_process, wait_for_port
+from common.procs import ProcessSet, keep_running, wait_for_port
 from server import launch
 
 log = logging.getLogger("fedforge.server")
@@ -71,22 +71,15 @@ def server(workdir: str, host: str, port: int, insecure: bool, certs_dir: str | 
         connect = f"{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
         supervisor = FederationSupervisor(registry, launch.flwr_home(root, connect, insecure=tls is None, root_certificates=tls["ca"] if tls else None),
                                           rounds, {"registry-dir": str(root / "registry"), **parse_overrides(overrides)})
+    def started(proc: Any) -> None:
+        wait_for_port(host if host != "0.0.0.0" else "127.0.0.1", port, timeout=60, proc=proc)
+        log.info("SuperLink pid %d listening on %s:%d (workdir %s)", proc.pid, host, port, root)
+        if supervisor is not None and supervisor.ident is None:
+            supervisor.start()
+
     with ProcessSet(root / "logs") as procs:
         try:
-            restarts = 0
-            while True:
-                proc = procs.start("superlink", cmd, env={"FLWR_TELEMETRY_ENABLED": "0"}, cwd=root)
-                wait_for_port(host if host != "0.0.0.0" else "127.0.0.1", port, timeout=60, proc=proc)
-                log.info("SuperLink pid %d listening on %s:%d (workdir %s)", proc.pid, host, port, root)
-                if supervisor is not None and supervisor.ident is None:
-                    supervisor.start()
-                while proc.poll() is None:
-                    time.sleep(0.5)
-                restarts += 1
-                log.warning("SuperLink exited with %s; restart %d", proc.returncode, restarts)
-                procs.procs.remove(("superlink", proc))
-                stop_process(proc)  # its orphaned ServerApp must not outlive it
-                time.sleep(min(30, 2**restarts))
+            keep_running(procs, "superlink", cmd, "SuperLink", env={"FLWR_TELEMETRY_ENABLED": "0"}, cwd=root, on_start=started)
         except KeyboardInterrupt:
             log.info("stopping the central site")
         finally:

@@ -16,6 +16,7 @@ with these defaults (a test checks it).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -28,18 +29,19 @@ log = logging.getLogger("fedforge.server")
 
 DISTILL_MODES = ("off", "after", "only")
 SERVER_OPTIMIZERS = ("fedavg", "fedavgm", "fedadam")
+LR_SCHEDULES = ("constant", "cosine")
 
 
 @dataclass(frozen=True)
 class FederationConfig:
     """Server-side run configuration; keys match ``[tool.flwr.app.config]`` with '-' for '_'."""
 
-    num_server_rounds: int = 3
+    num_server_rounds: int = 10
     min_factories: int = 2
     expected_factories: int = 0  # wait for this many factories before round 1 (0: min_factories)
     wait_for_factories: float = 120.0
     round_timeout: float = 300.0
-    architecture: str = "cnn-small"  # for factories that do not declare one
+    architecture: str = "effnet-lite0"  # for factories that do not declare one (docs/benchmarks.md: the recipe's measurements)
     seed: int = 0  # model initialisation and local-training seeds
     # The data contract every factory and the server share.
     classes: str = format_classes(DEFAULT_CLASSES)  # ordered class names; a label is a position in this list
@@ -55,11 +57,12 @@ class FederationConfig:
     registry_dir: str = ""  # absolute path; empty: ./fedforge-registry in the SuperLink's directory
     torch_threads: int = 1
     # The server optimiser applied to the averaged update (Reddi et al. 2021).
-    server_optimizer: str = "fedavg"  # fedavg | fedavgm | fedadam
+    server_optimizer: str = "fedavgm"  # fedavg | fedavgm | fedadam
     server_lr: float = 1.0
-    server_momentum: float = 0.0  # FedAvgM's beta; FedAdam's beta1
+    server_momentum: float = 0.7  # FedAvgM's beta; FedAdam's beta1
     server_beta2: float = 0.99  # FedAdam
     server_tau: float = 1e-3  # FedAdam's adaptivity (epsilon)
+    lr_schedule: str = "cosine"  # "cosine": the local learning rate decays over the run's rounds, from lr to lr / 10
     federated_evaluation: bool = True  # factories evaluate the model they receive; one evaluate-only phase after the last round
     secure_aggregation: bool = True
     secagg_threshold: int = 0  # 0: max(2, ceil(2n/3)) of the n sampled factories
@@ -91,6 +94,8 @@ class FederationConfig:
             raise ValueError(f"distill must be one of {DISTILL_MODES}, got {self.distill!r}")
         if self.distill_every < 1:
             raise ValueError(f"distill-every must be >= 1, got {self.distill_every}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr-schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if self.server_optimizer not in SERVER_OPTIMIZERS:
             raise ValueError(f"server-optimizer must be one of {SERVER_OPTIMIZERS}, got {self.server_optimizer!r}")
         if self.server_lr <= 0 or not 0 <= self.server_momentum < 1 or not 0 <= self.server_beta2 < 1 or self.server_tau <= 0:
@@ -139,10 +144,18 @@ class FederationConfig:
         """The data contract as message config keys (every describe, train and evaluate message carries it)."""
         return {"classes": self.classes, "image-size": self.image_size, "channels": self.channels}
 
+    def round_lr(self, server_round: int) -> float:
+        """The local learning rate of a round: ``lr``, or with ``lr-schedule = "cosine"`` decayed over the run to lr / 10
+        (FedAvg's local steps then shrink as the federation converges, as a pooled run's schedule would)."""
+        if self.lr_schedule == "constant" or self.num_server_rounds <= 1:
+            return self.training.lr
+        progress = min(1.0, max(0.0, (server_round - 1) / (self.num_server_rounds - 1)))
+        return self.training.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
     def train_config(self, server_round: int, architecture: str | None = None) -> dict[str, Any]:
         """What a train message tells a factory: the round, its architecture, the data contract and every training option."""
         return {"server-round": server_round, "architecture": architecture or self.architecture, "seed": self.seed, **self.data_config(),
-                **self.training.to_run_config()}
+                **self.training.to_run_config(), "lr": self.round_lr(server_round)}
 
     def distills_in(self, server_round: int) -> bool:
         return self.distill == "only" or (self.distill == "after" and server_round % self.distill_every == 0)

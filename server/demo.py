@@ -32,17 +32,17 @@ console = Console(stderr=True)
 
 @click.command()
 @click.option("--factories", default=3, type=click.IntRange(1, 64), help="Number of factories (SuperNode + agent each).")
-@click.option("--rounds", default=3, type=click.IntRange(1), help="Server rounds.")
-@click.option("--local-epochs", default=2, type=click.IntRange(0), help="Local epochs per round.")
+@click.option("--rounds", default=None, type=click.IntRange(1), help="Server rounds (default: the run configuration's num-server-rounds).")
+@click.option("--local-epochs", default=None, type=click.IntRange(0), help="Local epochs per round (default: the run configuration's).")
 @click.option("--seed", default=0, type=int, help="Seed for data and model initialisation.")
 @click.option("--workdir", default="fedforge-demo", type=click.Path(file_okay=False), help="Logs, SuperLink database and registry.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write a JSON summary here.")
-@click.option("--architecture", default="cnn-small", help="Model architecture (cnn-small, cnn-medium, cnn-large).")
+@click.option("--architecture", default=None, help="Model architecture: effnet-lite0 (pretrained, frozen; the default), cnn-small, cnn-medium, cnn-large.")
 @click.option("--train-size", default=600, type=click.IntRange(10), help="Synthetic images per factory.")
 @click.option("--alpha", default=1.0, type=float, help="Dirichlet label skew across factories (smaller = more skewed).")
 @click.option("--min-factories", default=None, type=click.IntRange(1), help="Abort a round below this many good updates (default: factories - 1, at least 1).")
 @click.option("--round-timeout", default=300.0, type=float, help="Seconds to wait for factories in a round.")
-@click.option("--lr", default=1e-3, type=float, help="Local learning rate.")
+@click.option("--lr", default=None, type=float, help="Local learning rate (default: the run configuration's).")
 @click.option("--secure/--no-secure", default=True, help="Secure aggregation (SecAgg+): the server learns only the sum.")
 @click.option("--dp/--no-dp", default=False, help="Factories train with DP-SGD under their own privacy budget.")
 @click.option("--epsilon", default=8.0, type=float, help="With --dp: each factory's privacy budget epsilon_max.")
@@ -63,6 +63,14 @@ def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str
     """Run a local demo federation over real Flower processes on 127.0.0.1."""
     archs = [a.strip() for a in architectures.split(",") if a.strip()]
     from common.models import ARCHITECTURES
+    from common.training import TrainConfig
+    from server.config import FederationConfig
+
+    defaults = FederationConfig()  # the recipe's defaults, in one place (no torch import here)
+    rounds = rounds or defaults.num_server_rounds
+    architecture = architecture or defaults.architecture
+    local_epochs = TrainConfig().epochs if local_epochs is None else local_epochs
+    lr = lr or TrainConfig().lr
 
     if unknown := sorted(set(archs + [architecture]) - set(ARCHITECTURES)):
         raise click.BadParameter(f"unknown architecture(s) {unknown}; choose from {sorted(ARCHITECTURES)}", param_hint="--architectures")
@@ -87,12 +95,13 @@ def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str
             console.print(f"  dashboard: [bold]{fed.dashboard_url}[/]  (admin token for approvals: {admin_token})")
             for i in range(factories):
                 fed.start_factory(i)
+            # The ServerApp waits for the factories itself (expected-factories): submit while they start.
+            flwr_run_id = fed.submit(fed.run_config(rounds, **run_config))
+            console.print(f"  submitted Flower run {flwr_run_id}; logs in {root / 'logs'}")
             for f in fed.factories:
                 health = fed.wait_for_agent(f.agent_address)
                 console.print(f"  {f.factory_id}: agent pid {health.pid} serving {health.num_examples} images on {f.agent_address}"
                               f" ({health.architecture or architecture})")
-            flwr_run_id = fed.submit(fed.run_config(rounds, **run_config))
-            console.print(f"  submitted Flower run {flwr_run_id}; logs in {root / 'logs'}")
             summary = follow_run(Registry.at(fed.registry_dir), f"run-{flwr_run_id}", rounds, fed.flwr_home(), flwr_run_id, procs)
         except KeyboardInterrupt:
             console.print("[yellow]interrupted; stopping every process[/]")

@@ -99,19 +99,25 @@ class Federation:
         log.info("run %s: %d rounds (default architecture %s, classes %s, %d px x %d channel(s), server optimiser %s, distillation %s), registry %s",
                  self.run_id, cfg.num_server_rounds, cfg.architecture, list(self.classes), cfg.image_size, cfg.channels, cfg.server_optimizer,
                  cfg.distill, cfg.registry_dir)
+        if cfg.good_class not in self.classes:
+            log.warning("good-class %r is not in the class list %s: escape and false-reject rates are undefined; set good-class",
+                        cfg.good_class, list(self.classes))
         try:
             self._resume()
             self._wait_for_factories()
             first = self.resumed_round + 1
             self._describe(self.messenger.node_ids(), first, self.first_failures)
             self.central.choose_test_set(bool(self.generated_data) and all(self.generated_data.values()))
+            for arch in sorted(set(self.architecture_of_node.values())):
+                self.central.warm_up(self._model(arch), arch)
             if cfg.distill != "off":
                 self.proxy, self.validation = load_proxy(cfg), load_validation(cfg)
-            self._line(cfg.architecture)
             for server_round in range(first, cfg.num_server_rounds + 1):
                 self._round(server_round)
             if cfg.federated_evaluation and self.completed_rounds:
                 self._final_evaluation(cfg.num_server_rounds + 1)
+            for line in self.lines.values():  # a run whose rounds all aborted still records where it started
+                self._version_of(line)
         except BaseException as exc:
             status = ending_for(exc)
             log.exception("run %s %s", self.run_id, status)
@@ -136,7 +142,7 @@ class Federation:
         if distilling:
             nodes = self._deliver_proxy(nodes, server_round, failures)
         plan = self._plan(server_round, nodes, distilling)
-        sent = {arch: line.version for arch, line in self.lines.items()}  # what the factories evaluate this round
+        sent = dict(self.lines)  # whose models the factories evaluate this round (recorded versions after the round)
         try:
             if cfg.secure_aggregation:
                 result = self.secure.train(plan, failures, key_next=self._keys_next(server_round))
@@ -195,7 +201,7 @@ class Federation:
         if line.optimizer.kind != "fedavg":
             state = self.registry.artifacts.put(encode_weights(OrderedDict(line.optimizer.state_arrays())))
             metrics.setdefault("server-optimizer-state", {})[arch] = state
-        line.version = self._record_version(server_round, line.version.id, kind, arch, weights, {**central, **_scalars(metrics)},
+        line.version = self._record_version(server_round, self._version_of(line).id, kind, arch, weights, {**central, **_scalars(metrics)},
                                             result.participants, result.privacy)
         line.weights = weights
         return line.version
@@ -213,7 +219,7 @@ class Federation:
         self.messenger.phase_seconds = {}
         nodes = self._describe(self.messenger.node_ids(), phase_round, failures)
         plan = self._plan(phase_round, nodes, distilling=False)
-        sent = {arch: line.version for arch, line in self.lines.items()}
+        sent = dict(self.lines)
         try:
             if self.cfg.secure_aggregation:
                 result = self.secure.evaluate(plan, failures)
@@ -229,7 +235,7 @@ class Federation:
                      len(result.participants), metrics["federated-accuracy"], metrics.get("federated-escape-rate"),
                      metrics.get("federated-false-reject-rate"))
 
-    def _record_evaluations(self, server_round: int, phase: str, sent: dict[str, Any], plan: RoundPlan, result: RoundResult) -> dict[str, Any]:
+    def _record_evaluations(self, server_round: int, phase: str, sent: dict[str, Line], plan: RoundPlan, result: RoundResult) -> dict[str, Any]:
         """Store each group's summed confusion matrix with the version it measured; return the round's metrics for them."""
         cfg, metrics = self.cfg, {}
         names = {self.messenger.name(n): plan.architecture_of[n] for n in plan.nodes}
@@ -239,7 +245,7 @@ class Federation:
             f = figures(confusion, self.classes, cfg.good_class)
             members = [p for p in result.participants if names.get(p) == arch]
             self.registry.record_evaluation(NewEvaluation(
-                version_id=sent[arch].id, run_id=self.run_id, server_round=server_round, phase=phase, factories=len(members),
+                version_id=self._version_of(sent[arch]).id, run_id=self.run_id, server_round=server_round, phase=phase, factories=len(members),
                 classes=list(self.classes), confusion=confusion, figures=f,
                 shared={k: v for k, v in result.shared.items() if names.get(k) == arch}, secure_aggregation=cfg.secure_aggregation))
             metrics |= evaluation_metrics(f"federated/{arch}/", confusion, self.classes, cfg.good_class)
@@ -253,7 +259,7 @@ class Federation:
         new = [n for n in node_ids if n not in self.architecture_of_node and n not in self.left_out]
         if new:
             timeout = min(self.cfg.secagg_timeout, self.cfg.round_timeout)  # a light query: never wait longer than a round would
-            request = RecordDict({"config": ConfigRecord(self.cfg.data_config())})
+            request = RecordDict({"config": ConfigRecord({**self.cfg.data_config(), "architecture": self.cfg.architecture})})
             for node, reply in self.messenger.exchange(new, "query.describe", server_round, lambda n: request, timeout, failures).items():
                 info = reply.content["info"]
                 arch = str(info.get("architecture", "")) or self.cfg.architecture
@@ -333,9 +339,16 @@ class Federation:
                 self.lines[arch] = Line(arch, self.registry.load_weights(head.id), head, optimizer)  # sha256-verified
                 return self.lines[arch]
         weights = weights_of(build_model(arch, num_classes=len(self.classes), seed=self.cfg.seed, in_channels=self.cfg.channels))
-        version = self._record_version(self.resumed_round, None, "initial", arch, weights, self._evaluate(arch, weights), [])
-        self.lines[arch] = Line(arch, weights, version, optimizer)
+        self.lines[arch] = Line(arch, weights, None, optimizer)
         return self.lines[arch]
+
+    def _version_of(self, line: Line) -> Any:
+        """The line's registry version; the initial model is recorded (with its central test figures) when first needed,
+        so that a pretrained model's test-set features are computed while round 1 exchanges keys, not before it."""
+        if line.version is None:
+            line.version = self._record_version(self.resumed_round, None, "initial", line.architecture, line.weights,
+                                                self._evaluate(line.architecture, line.weights), [])
+        return line.version
 
     def _load_optimizer_state(self, optimizer: ServerOptimizer, version: Any, arch: str) -> None:
         """A resumed line continues with the server optimiser's state saved with the round that made its head."""

@@ -20,7 +20,7 @@ class Line:
 
     architecture: str
     weights: "OrderedDict[str, np.ndarray]"
-    version: Any
+    version: Any  # None until the initial model is recorded (after round 1's key exchange has started)
     optimizer: ServerOptimizer = field(default_factory=ServerOptimizer)
 
     @property

@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from common.procs import ProcessSet, free_port, supernode_env, wait_for_port
+from common.procs import ProcessSet, free_port, supernode_command, supernode_env, wait_for_port
 from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
 from server import launch
 
@@ -45,7 +45,6 @@ class Factory:
     factory_id: str
     agent_address: str
     supernode_port: int
-    process_names: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -64,6 +63,7 @@ class LocalFederation:
     central_flags: list[str] = field(default_factory=list)  # extra `fedforge server` flags (e.g. --rounds 3)
     tls: bool = False  # TLS everywhere and SuperNode authentication (certificates made under <root>/certs)
     architectures: list[str] = field(default_factory=list)  # per factory, cycled (e.g. cnn-small, cnn-medium); empty: the run's default
+    factory_args: dict[int, list[str]] = field(default_factory=dict)  # extra flags for one factory (e.g. its own --data folder)
 
     @property
     def certs_dir(self) -> Path:
@@ -102,7 +102,8 @@ class LocalFederation:
     def _data_flags(self, index: int) -> list[str]:
         return ["--factory-index", str(index), "--num-factories", str(self.num_factories), "--data-seed", str(self.seed),
                 "--alpha", str(self.alpha), "--train-size", str(self.train_size),
-                "--state-dir", str(self.root / f"factory-{index}" / "state"), *self.architecture_flags(index), *self.factory_flags]
+                "--state-dir", str(self.root / f"factory-{index}" / "state"), *self.architecture_flags(index), *self.factory_flags,
+                *self.factory_args.get(index, [])]
 
     def architecture_flags(self, index: int) -> list[str]:
         return ["--architecture", self.architectures[index % len(self.architectures)]] if self.architectures else []
@@ -120,15 +121,13 @@ class LocalFederation:
                 "client", "--factory-id", f.factory_id, "--superlink", self.superlink, "--agent-listen", f.agent_address,
                 "--supernode-port", str(f.supernode_port), "--workdir", str(self.root / f.factory_id), *security, *self._data_flags(index),
             ])
-            f.process_names = [f.factory_id]
         else:
             self.procs.start(f"{f.factory_id}-agent", ff + ["agent", "--factory-id", f.factory_id, "--agent-listen", f.agent_address, *self._data_flags(index)])
             node_config = f"factory-id='{f.factory_id}' agent-address='{f.agent_address}'"
             self.procs.start(f"{f.factory_id}-supernode", [
-                shutil.which("flower-supernode") or "flower-supernode", "--insecure", "--superlink", self.superlink,
+                *supernode_command(), "--insecure", "--superlink", self.superlink,
                 "--port", str(f.supernode_port), "--node-config", node_config,
             ], env=supernode_env())
-            f.process_names = [f"{f.factory_id}-agent", f"{f.factory_id}-supernode"]
         self.factories.append(f)
         return f
 

@@ -25,7 +25,6 @@ class FederationSupervisor(threading.Thread):
         super().__init__(daemon=True, name="fedforge-supervisor")
         self.registry, self.home, self.rounds, self.run_config, self.poll = registry, home, rounds, run_config, poll_seconds
         self.active: str | None = None
-        self.submissions = 0
         self.finished = threading.Event()
         self.stop_event = threading.Event()
 
@@ -50,7 +49,6 @@ class FederationSupervisor(threading.Thread):
                 return
             config = {**self.run_config, "num-server-rounds": self.rounds, "resume-from": last.id if last is not None else ""}
             self.active = launch.submit_run(self.home, config)
-            self.submissions += 1
             log.info("submitted run %s (from %s)", self.active, f"version {last.id}, round {last.server_round}" if last else "scratch")
             return
         run = self.registry.get_run(f"run-{self.active}")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-WATCHED = ("flower-superlink", "flower-supernode", "flwr-serverapp", "flwr-clientapp", "fedforge", "common.cli")
+WATCHED = ("flower-superlink", "flower-supernode", "client.supernode", "flwr-serverapp", "flwr-clientapp", "fedforge", "common.cli")
 
 
 def federation_pids() -> set[int]:

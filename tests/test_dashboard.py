@@ -158,10 +158,15 @@ def test_browser_shows_real_numbers_and_approves_with_the_token(registry_dir, ch
     (run,) = reg.runs()
     try:
         driver.get(url + "/")
-        points = driver.find_elements(By.CSS_SELECTOR, 'svg[data-chart="Global accuracy per round"] circle')
+        points = driver.find_elements(By.CSS_SELECTOR, 'svg[data-chart="Global accuracy per round"] circle[data-series="test set"]')
         shown = sorted((int(p.get_attribute("data-x")), float(p.get_attribute("data-y"))) for p in points)
         expected = [(r.server_round, round(r.accuracy, 4)) for r in reg.rounds(run.id) if r.status == "completed"]
         assert shown == expected
+        # the factories' own held-out figures: one point per evaluated version, at the round that produced it
+        points = driver.find_elements(By.CSS_SELECTOR, 'svg[data-chart="Global accuracy per round"] circle[data-series="factories\' held-out images"]')
+        federated = {(v.server_round, round(reg.latest_evaluation(v.id).figures["accuracy"], 4)) for v in reg.versions(run.id)
+                     if reg.latest_evaluation(v.id) is not None}
+        assert {(int(p.get_attribute("data-x")), float(p.get_attribute("data-y"))) for p in points} == federated and len(federated) == 3
         assert driver.find_element(By.ID, "round-progress").text == "2 / 2"
         driver.save_screenshot(str(ARTIFACTS / "dashboard-overview.png"))
 
@@ -175,11 +180,20 @@ def test_browser_shows_real_numbers_and_approves_with_the_token(registry_dir, ch
 
         driver.get(url + f"/versions/{candidate.id}")
         assert driver.find_element(By.ID, "signature-status").text == "valid"
+        evaluation = reg.latest_evaluation(candidate.id)  # the final, evaluate-only phase measured the last version
+        assert evaluation is not None and evaluation.phase == "final" and evaluation.factories == 2
+        cells = driver.find_elements(By.CSS_SELECTOR, "svg.heatmap rect[data-count]")
+        assert len(cells) == 36 and sum(int(c.get_attribute("data-count")) for c in cells) == evaluation.examples
+        assert [[int(c.get_attribute("data-count")) for c in cells[i * 6:(i + 1) * 6]] for i in range(6)] == evaluation.confusion
+        escape = evaluation.figures["escape-rate"]
+        assert driver.find_element(By.ID, "escape-rate").text == f"{escape:.4f}"
         driver.find_element(By.ID, "admin-token").send_keys(ADMIN)
         driver.find_element(By.ID, "admin-save").click()
         driver.find_element(By.ID, "action-note").send_keys("approved in the browser test")
         driver.find_element(By.ID, "approve").click()
-        WebDriverWait(driver, 10).until(EC.alert_is_present()).accept()
+        confirm = WebDriverWait(driver, 10).until(EC.alert_is_present())
+        assert f"Escape rate on the factories' held-out images: {escape:.4f}" in confirm.text
+        confirm.accept()
         WebDriverWait(driver, 10).until(lambda d: reg.get_version(candidate.id).status == "approved")
         WebDriverWait(driver, 10).until(lambda d: "approved" in d.find_element(By.ID, "version-status").text)  # live update, no reload
         driver.save_screenshot(str(ARTIFACTS / "dashboard-version-approved.png"))

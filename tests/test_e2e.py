@@ -118,3 +118,56 @@ def test_secure_aggregation_reaches_the_same_accuracy_as_plain(tmp_path, default
     assert [v["secure_aggregation"] for v in plain["versions"][1:]] == [False, False]
     # same seeds, data and training: only fixed-point rounding (2^-24) and clipping differ
     assert abs(secure["final_accuracy"] - plain["final_accuracy"]) <= 0.03, (secure["final_accuracy"], plain["final_accuracy"])
+
+
+def _write_folder(root, classes: dict[str, str], per_class: int, seed: int, size: tuple[int, int], mode: str, suffix: str) -> None:
+    """Generated images saved as files under ``root/<folder>/``: {folder name: generator class}."""
+    from PIL import Image
+
+    from common.data import synth
+
+    rng = synth.rng_for(seed, 99)
+    profile = synth.factory_profile(seed, 0)
+    for folder, name in classes.items():
+        (root / folder).mkdir(parents=True, exist_ok=True)
+        for k in range(per_class):
+            img = synth.render(rng, synth.CLASSES.index(name), profile, 64)[None][0]
+            pil = Image.fromarray((img * 255).astype("uint8")).resize(size).convert(mode)
+            pil.save(root / folder / f"{k}.{suffix}")
+
+
+def test_own_image_folders_with_other_classes_missing_ones_and_an_ok_only_factory(tmp_path, no_leftover_processes):
+    """Three factories point `fedforge client --data` at their own folders: class names of their own, one without a
+    `dent` folder (and an alias for its good parts), one with only good parts; RGB JPEGs of another size beside grey PNGs.
+    Every factory takes part in every round, the final version has federated figures, and a run whose rounds all
+    abort is reported as failed."""
+    classes = "good,scratch,crack,dent"
+    data = tmp_path / "data"
+    _write_folder(data / "a", {"good": "ok", "scratch": "scratch", "crack": "crack", "dent": "pit"}, 20, 1, (64, 64), "L", "png")
+    _write_folder(data / "b", {"OK-parts": "ok", "scratch": "scratch", "crack": "crack"}, 20, 2, (80, 60), "RGB", "jpg")
+    _write_folder(data / "c", {"good": "ok"}, 30, 3, (64, 64), "L", "png")
+    common = ["--classes", classes]
+    args = {0: ["--data", str(data / "a"), *common], 1: ["--data", str(data / "b"), "--class-alias", "OK-parts=good", *common],
+            2: ["--data", str(data / "c"), *common]}
+    root = tmp_path / "fed"
+    with ProcessSet(root / "logs") as procs:
+        fed = LocalFederation(root, procs, num_factories=3, factory_args=args)
+        fed.start()
+        run = {"classes": classes, "good-class": "good", "image-size": 48, "local-epochs": 1, "min-factories": 3, "round-timeout": 120.0}
+        flwr_run_id = fed.submit(fed.run_config(2, **run))
+        registry = Registry.at(fed.registry_dir)
+        finished = wait_for_run(registry, f"run-{flwr_run_id}", timeout=400, procs=procs)
+        aborting = fed.submit(fed.run_config(1, **{**run, "min-factories": 4}))
+        failed = wait_for_run(registry, f"run-{aborting}", timeout=200, procs=procs)
+
+    assert finished.status == "finished", finished.error
+    rounds = registry.rounds(f"run-{flwr_run_id}")
+    assert [r.participants for r in rounds] == [["factory-0", "factory-1", "factory-2"]] * 2, [r.failures for r in rounds]
+    versions = registry.versions(f"run-{flwr_run_id}")
+    assert all(v.model_input["classes"] == classes.split(",") and v.model_input["image_size"] == 48 for v in versions)
+    assert all("accuracy" not in v.metrics for v in versions)  # factories hold their own images: no generated central test set
+    final = registry.latest_evaluation(versions[-1].id)
+    assert final.phase == "final" and final.factories == 3 and final.classes == classes.split(",")
+    assert final.examples == 2 + 2 + 2 + 2 + 2 + 2 + 2 + 3  # every factory's stratified held-out split: 10% of each class folder
+    assert final.figures["escape-rate"] is not None and final.figures["recall"]["dent"] is not None
+    assert failed.status == "failed" and "aborted" in failed.error and "secure aggregation needs 4" in failed.error

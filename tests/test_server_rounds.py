@@ -96,7 +96,7 @@ def agent_node(agent, recorded: dict[str, list], drops: Callable[[Message, str],
     factory_id = agent.trainer.cfg.factory_id
     context = Context(run_id=1, node_id=0, node_config={"agent-address": agent.trainer.cfg.listen, "factory-id": factory_id},
                       state=RecordDict(), run_config={"agent-timeout": 120.0})
-    handlers = {"train": client_app.train, "query.describe": client_app.describe, "query.proxy": client_app.proxy,
+    handlers = {"train": client_app.train, "evaluate": client_app.evaluate, "query.describe": client_app.describe, "query.proxy": client_app.proxy,
                 **{f"query.secagg_{s}": client_app._secagg_stage(s) for s in ("advertise", "share", "unmask")}}
 
     def handle(msg: Message) -> Message | None:

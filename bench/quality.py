@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+"""Is every factory better off in the federation? Recipes side by side, several seeds and skews.
+
+Each federation runs in one process over the production code of both sides: every factory is a real
+`client.trainer.FactoryTrainer` (data split, held-out evaluation, feature cache, local training, DP
+ledger, personal model), the server averages with `server.aggregate.fedavg` and steps with
+`server.optimizers.ServerOptimizer`. Only the transport is left out (the end-to-end tests and
+bench/secagg.py cover it). For every setting the baselines run on the *same* data in the same run:
+
+- pooled: one model trained on the union of the factories' training splits (what the federation
+  would reach if the images could leave the factories), for as many epochs as a factory trains in all;
+- local only: each factory trains alone for as many epochs, from the same initial model;
+- served: what a factory's inspection would serve after the run (the global model, or its personal
+  fine-tune when that scores better on its held-out split), judged on a separate test set drawn from
+  that factory's own distribution (its optics, its label mix).
+
+Accuracy of the global and pooled models is on a balanced test set drawn from every factory's optics.
+
+    python bench/quality.py --seeds 0,1,2                       # the table in docs/benchmarks.md
+    python bench/quality.py --settings skewed --recipes head --seeds 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from client.config import AgentConfig  # noqa: E402
+from client.data import DataRequest  # noqa: E402
+from client.trainer import FactoryTrainer  # noqa: E402
+from common.data import datasets, synth  # noqa: E402
+from common.data.datasets import ImageDataset  # noqa: E402
+from common.features import FeatureCache, array_keys, features_of  # noqa: E402
+from common.models import build_model, federated_part, is_pretrained, load_weights, weights_of  # noqa: E402
+from common.training import TrainConfig, evaluate, set_torch_threads, train  # noqa: E402
+from server.aggregate import FactoryUpdate, fedavg  # noqa: E402
+from server.config import FederationConfig  # noqa: E402
+from server.optimizers import ServerOptimizer  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    architecture: str
+    rounds: int
+    local_epochs: int
+    lr: float = 1e-3
+    server_optimizer: str = "fedavg"
+    server_lr: float = 1.0
+    server_momentum: float = 0.0
+    proximal_mu: float = 0.0
+    lr_schedule: str = "constant"
+
+    def federation(self, seed: int) -> FederationConfig:
+        """The run configuration this recipe is (what `fedforge run --set ...` would submit)."""
+        return FederationConfig(num_server_rounds=self.rounds, architecture=self.architecture, seed=seed, server_optimizer=self.server_optimizer,
+                                server_lr=self.server_lr, server_momentum=self.server_momentum, lr_schedule=self.lr_schedule,
+                                training=TrainConfig(epochs=self.local_epochs, lr=self.lr, proximal_mu=self.proximal_mu))
+
+
+RECIPES = {
+    "head": Recipe("effnet-lite0 head, FedAvg 10x1", "effnet-lite0", rounds=10, local_epochs=1, lr=1e-3),
+    "head-adam": Recipe("effnet-lite0 head, FedAdam 10x1", "effnet-lite0", rounds=10, local_epochs=1, lr=1e-3, server_optimizer="fedadam",
+                        server_lr=1e-2, server_momentum=0.9),
+    "head-m": Recipe("effnet-lite0 head, FedAvgM 10x1", "effnet-lite0", rounds=10, local_epochs=1, lr=1e-3, server_optimizer="fedavgm",
+                     server_momentum=0.7),
+    "cnn": Recipe("cnn-small, FedAvg 5x2", "cnn-small", rounds=5, local_epochs=2),
+    "cnn-m": Recipe("cnn-small, FedAvgM 24x1", "cnn-small", rounds=24, local_epochs=1, server_optimizer="fedavgm", server_momentum=0.7),
+}
+
+SETTINGS = {"iid-ish": (3, 1.0), "skewed": (5, 0.1)}
+
+
+def factory_test_set(spec: datasets.SyntheticSpec, index: int, size: int) -> ImageDataset:
+    """Fresh images of factory ``index``'s own distribution (its label mix and optics), never seen in training."""
+    mix = datasets.label_mix(spec.seed, spec.num_factories, spec.alpha)[index]
+    rng = synth.rng_for(spec.seed, 7, index)
+    labels = rng.choice(len(synth.CLASSES), size=size, p=mix).astype(np.int64)
+    return ImageDataset(synth.render_many(rng, labels, [synth.factory_profile(spec.seed, index)], spec.image_size), labels)
+
+
+class Bench:
+    def __init__(self, seed: int, factories: int, alpha: float, train_size: int, workdir: Path, tag: str, dp_epsilon: float = 0.0,
+                 rounds: int = 1) -> None:
+        self.spec = datasets.SyntheticSpec(seed=seed, num_factories=factories, alpha=alpha, train_size=train_size)
+        self.seed = seed
+        state = workdir / f"{tag}-seed{seed}-a{alpha}-n{factories}-dp{dp_epsilon}-{time.time_ns()}"
+        self.trainers = [FactoryTrainer(AgentConfig(
+            factory_id=f"f{i}", factory_index=i, num_factories=factories, data_seed=seed, alpha=alpha, train_size=train_size,
+            state_dir=str(state / f"f{i}"), dp=dp_epsilon > 0, dp_epsilon=dp_epsilon or 8.0, dp_planned_rounds=rounds))
+            for i in range(factories)]
+        for trainer in self.trainers:  # one feature cache for every run of the bench (features depend on the images only)
+            trainer.features = FeatureCache(workdir / "bench-features.db")
+        self.test = datasets.test_dataset(self.spec, 1200)
+        self.factory_tests = [factory_test_set(self.spec, i, 300) for i in range(factories)]
+        self.cache = FeatureCache(workdir / "bench-features.db")
+
+    def config(self, recipe: Recipe, server_round: int) -> dict:
+        return recipe.federation(self.seed).train_config(server_round, recipe.architecture)
+
+    def inputs(self, model, arch: str, data: ImageDataset):
+        if not is_pretrained(arch):
+            return data
+        return features_of(data, model.backbone.spec.ident, model.encode, self.cache, array_keys(data.images))
+
+    def accuracy(self, arch: str, weights, data: ImageDataset) -> float:
+        model = load_weights(build_model(arch, 6), weights)
+        return evaluate(federated_part(model), self.inputs(model, arch, data)).accuracy
+
+    def federate(self, recipe: Recipe) -> dict:
+        """The federation: returns the global model's accuracy per round, seconds of training, and each factory's served accuracy."""
+        weights = weights_of(build_model(recipe.architecture, 6, seed=self.seed))
+        optimizer = ServerOptimizer(recipe.server_optimizer, recipe.server_lr, recipe.server_momentum)
+        per_round, train_seconds = [], 0.0
+        for r in range(1, recipe.rounds + 1):
+            updates = []
+            for i, trainer in enumerate(self.trainers):
+                local = trainer.train(weights, self.config(recipe, r), r, run_id=f"bench-{recipe.name}")
+                train_seconds += local.metrics["train-seconds"]
+                updates.append(FactoryUpdate(f"f{i}", i, local.weights, local.examples))
+            weights = optimizer.step(weights, fedavg(updates, like=weights))
+            per_round.append(self.accuracy(recipe.architecture, weights, self.test))
+        served = []
+        request = DataRequest()
+        for i, trainer in enumerate(self.trainers):
+            # what inspection serves (client.agent.personal_chooser): the personal fine-tune of the final model, if it scores better
+            trainer.evaluate(weights, self.config(recipe, recipe.rounds + 1))  # the evaluate-only phase: nothing changes
+            personal = self.personal_of(trainer, recipe, weights)
+            g = trainer.score(recipe.architecture, weights, request)
+            p = trainer.score(recipe.architecture, personal, request)
+            served.append(self.accuracy(recipe.architecture, personal if p > g else weights, self.factory_tests[i]))
+        return {"accuracy": per_round[-1], "per_round": per_round, "served": served, "train_seconds": train_seconds,
+                "payload_values": int(sum(v.size for v in weights.values()))}
+
+    def personal_of(self, trainer: FactoryTrainer, recipe: Recipe, weights: OrderedDict) -> OrderedDict:
+        """The factory's personal fine-tune of the final global model (what its agent keeps after a round with it)."""
+        config = self.config(recipe, recipe.rounds)
+        prep = trainer.prepare(weights, config)
+        model = load_weights(build_model(recipe.architecture, 6), weights)
+        train(federated_part(model), prep.train_set, TrainConfig.from_run_config(config, seed=self.seed).personal())
+        return weights_of(model)
+
+    def pooled_and_local(self, recipe: Recipe) -> dict:
+        epochs = recipe.rounds * recipe.local_epochs
+        cfg = TrainConfig(epochs=epochs, lr=recipe.lr, seed=self.seed)
+        splits = [t.data.split(DataRequest()).train for t in self.trainers]
+        union = ImageDataset(np.concatenate([s.images for s in splits]), np.concatenate([s.labels for s in splits]))
+        model = build_model(recipe.architecture, 6, seed=self.seed)
+        train(federated_part(model), self.inputs(model, recipe.architecture, union), cfg)
+        pooled = evaluate(federated_part(model), self.inputs(model, recipe.architecture, self.test)).accuracy
+        local = []
+        for i, split in enumerate(splits):
+            model = build_model(recipe.architecture, 6, seed=self.seed)
+            train(federated_part(model), self.inputs(model, recipe.architecture, split), replace(cfg, seed=self.seed * 10 + i))
+            local.append(evaluate(federated_part(model), self.inputs(model, recipe.architecture, self.factory_tests[i])).accuracy)
+        return {"pooled": pooled, "local": local}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--settings", default="iid-ish,skewed", help=f"comma-separated of {sorted(SETTINGS)}")
+    p.add_argument("--recipes", default="head,cnn", help=f"comma-separated of {sorted(RECIPES)}")
+    p.add_argument("--dp", action="store_true", help="also run the first recipe with DP-SGD at epsilon 8 per factory over the run")
+    p.add_argument("--train-size", type=int, default=600)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--workdir", default=None, help="feature cache and factory state (default: a temporary directory)")
+    a = p.parse_args()
+    set_torch_threads(a.threads)
+    workdir = Path(a.workdir or tempfile.mkdtemp(prefix="fedforge-quality-"))
+    rows = []
+    for setting in a.settings.split(","):
+        factories, alpha = SETTINGS[setting]
+        for key in a.recipes.split(","):
+            recipe = RECIPES[key]
+            for seed in map(int, a.seeds.split(",")):
+                t0 = time.perf_counter()
+                bench = Bench(seed, factories, alpha, a.train_size, workdir, key)
+                fed, base = bench.federate(recipe), bench.pooled_and_local(recipe)
+                row = {"setting": setting, "recipe": recipe.name, "seed": seed, **fed, **base, "seconds": time.perf_counter() - t0}
+                if a.dp and key == a.recipes.split(",")[0]:
+                    row["dp_accuracy"] = Bench(seed, factories, alpha, a.train_size, workdir, key, dp_epsilon=8.0, rounds=recipe.rounds).federate(
+                        replace(recipe, name=recipe.name + " DP"))["accuracy"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print()
+    print("| setting | recipe | global | pooled | global/pooled | served > local at every factory | served - local (min) | DP global |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for setting in a.settings.split(","):
+        for key in a.recipes.split(","):
+            rs = [r for r in rows if r["setting"] == setting and r["recipe"] == RECIPES[key].name]
+            g, pooled = statistics.mean(r["accuracy"] for r in rs), statistics.mean(r["pooled"] for r in rs)
+            better = sum(all(s > loc for s, loc in zip(r["served"], r["local"])) for r in rs)
+            margin = min(min(s - loc for s, loc in zip(r["served"], r["local"])) for r in rs)
+            dp = statistics.mean(r["dp_accuracy"] for r in rs) if all("dp_accuracy" in r for r in rs) else None
+            print(f"| {setting} | {RECIPES[key].name} | {g:.3f} | {pooled:.3f} | {g / pooled:.2f} | {better}/{len(rs)} seeds | {margin:+.3f} | "
+                  f"{dp:.3f} |" if dp is not None else f"| {setting} | {RECIPES[key].name} | {g:.3f} | {pooled:.3f} | {g / pooled:.2f} | "
+                  f"{better}/{len(rs)} seeds | {margin:+.3f} | – |")
+
+
+if __name__ == "__main__":
+    main()

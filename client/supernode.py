@@ -1,0 +1,73 @@
+"""Flower's SuperNode, unchanged except for how long it sleeps when the SuperLink has no message for it.
+
+Flower 1.42's SuperNode loop (``flwr.supernode.start_client_internal``) sleeps a hard-coded 3 s after
+every empty pull, so each message a factory handles waits 1.5 s on average before the SuperNode even
+sees it, and a secure round has two such messages. There is no flag or environment variable for it.
+``fedforge client`` therefore starts the SuperNode through this module: it replaces the ``time`` that
+module sleeps with by one whose sleeps are capped at ``FEDFORGE_SUPERNODE_POLL_SECONDS`` (default
+0.5 s), then runs Flower's own ``flower-supernode`` entry point with the same arguments. Nothing else
+changes: same transport, same authentication, same process model.
+
+The patch is applied only to the Flower version it was written against (1.42.0) and only if the
+module still sleeps through a module-level ``time`` import; otherwise the SuperNode runs as Flower
+ships it and a warning says so. Every pull is one small HTTP request to the SuperLink, so the load on
+it grows with the number of factories divided by the interval (0.5 s: two requests per second per
+idle factory).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import types
+
+log = logging.getLogger("fedforge.supernode")
+
+PATCHED_VERSION = "1.42.0"
+DEFAULT_POLL_SECONDS = 0.5
+FLOWER_IDLE_SLEEP = 3.0  # the hard-coded sleep after an empty pull
+REPLY_POLL_SECONDS = 0.1
+
+
+class _CappedSleep(types.SimpleNamespace):
+    """Stands in for the ``time`` module inside Flower's SuperNode loop: every attribute is the real one,
+    except that its idle sleep is capped."""
+
+    def __init__(self, cap: float) -> None:
+        super().__init__()
+        self._cap = cap
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+    def sleep(self, seconds: float) -> None:
+        # the idle poll (3 s) is capped at the configured interval; the loop's other waits (0.5 s while the
+        # ClientApp runs, before a reply can be pushed) at a tenth of a second
+        time.sleep(min(seconds, self._cap) if seconds >= FLOWER_IDLE_SLEEP else min(seconds, REPLY_POLL_SECONDS))
+
+
+def shorten_idle_poll(seconds: float) -> bool:
+    """Cap the SuperNode's idle sleep at ``seconds``; returns whether the patch applied."""
+    import flwr
+    from flwr.supernode import start_client_internal as loop
+
+    if getattr(flwr, "__version__", "") != PATCHED_VERSION or getattr(loop, "time", None) is not time:
+        log.warning("Flower %s: the SuperNode's idle poll is left at Flower's default (the patch targets %s)",
+                    getattr(flwr, "__version__", "?"), PATCHED_VERSION)
+        return False
+    loop.time = _CappedSleep(max(0.05, seconds))  # type: ignore[assignment]
+    return True
+
+
+def main() -> None:
+    shorten_idle_poll(float(os.environ.get("FEDFORGE_SUPERNODE_POLL_SECONDS", DEFAULT_POLL_SECONDS)))
+    from flwr.supernode.cli import flower_supernode
+
+    sys.argv[0] = "flower-supernode"
+    sys.exit(flower_supernode())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""The model family and the server optimisers: a pinned pretrained backbone, a federated head, FedAvgM/FedAdam/FedProx."""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from opacus.accountants import RDPAccountant
+
+from client.config import AgentConfig
+from client.data import DataRequest
+from client.trainer import FactoryTrainer
+from common import backbones
+from common.backbones import BackboneError, BackboneSpec, FrozenBackbone
+from common.data import datasets
+from common.features import FeatureCache, FeatureSet, array_keys, features_of
+from common.models import PRETRAINED_ARCHITECTURES, build_model, federated_part, load_weights, weights_of
+from common.training import TrainConfig, proximal_term, train
+from server.export import export_version
+from server.optimizers import ServerOptimizer
+from server.registry.service import NewVersion, Registry
+
+ARCH = "effnet-lite0"
+CONFIG = {"architecture": ARCH, "local-epochs": 1, "batch-size": 16}
+
+
+def test_pretrained_weights_load_offline_and_a_wrong_hash_is_refused(tmp_path, monkeypatch):
+    spec = PRETRAINED_ARCHITECTURES[ARCH]
+    assert backbones.file_sha256(backbones.lite0_checkpoint()) == spec.sha256  # the package's file, pinned
+    model = build_model(ARCH, 6, seed=0)
+    assert [name for name, p in model.named_parameters() if p.requires_grad] == ["head.weight", "head.bias"]
+    assert list(weights_of(model)) == ["weight", "bias"]  # only the head travels
+    model.train()
+    assert not model.backbone.training  # BatchNorm keeps its ImageNet statistics whatever train() says
+    tampered = tmp_path / "efficientnet-lite0.pth"
+    shutil.copy(backbones.lite0_checkpoint(), tampered)
+    with open(tampered, "r+b") as f:
+        f.seek(4096)
+        f.write(b"\x00" * 16)
+    monkeypatch.setattr(backbones, "lite0_checkpoint", lambda: tampered)
+    with pytest.raises(BackboneError, match="expected 5793"):
+        FrozenBackbone(BackboneSpec("efficientnet-lite0", spec.sha256, 64, (2,)))
+
+
+def test_grey_images_feed_the_rgb_backbone_as_three_equal_channels():
+    model = build_model(ARCH, 6, seed=0).eval()
+    grey = torch.rand(2, 1, 64, 64)
+    with torch.no_grad():
+        assert torch.allclose(model(grey), model(grey.expand(-1, 3, -1, -1)), atol=1e-5)
+
+
+def test_a_tampered_feature_cache_is_rebuilt(tmp_path):
+    model = build_model(ARCH, 6, seed=0)
+    data = datasets.test_dataset(datasets.SyntheticSpec(), 6)
+    ident = model.backbone.spec.ident
+    cache = FeatureCache(tmp_path / "features.db")
+    first = features_of(data, ident, model.encode, cache, array_keys(data.images))
+    assert cache.misses == 6 and cache.hits == 0
+    again = features_of(data, ident, model.encode, cache, array_keys(data.images))
+    assert cache.hits == 6 and np.array_equal(first.images, again.images)
+    with sqlite3.connect(tmp_path / "features.db") as db:  # flip bytes of one cached vector
+        (key, blob), = db.execute("SELECT image, vector FROM features LIMIT 1").fetchall()
+        db.execute("UPDATE features SET vector=? WHERE image=?", (bytes(b ^ 0xFF for b in blob[:8]) + blob[8:], key))
+    rebuilt = features_of(data, ident, model.encode, cache, array_keys(data.images))
+    assert cache.rebuilt == 1 and np.allclose(rebuilt.images, first.images, atol=2e-2)  # recomputed (one image batch: float rounding)
+    other = features_of(data, "another-backbone@0/64px/blocks1", model.encode, cache, array_keys(data.images))  # keyed by backbone too
+    assert np.array_equal(other.images, first.images) and cache.misses == 6 + 1 + 6
+
+
+def test_head_only_versions_sign_and_export_to_the_same_predictions(tmp_path):
+    registry = Registry.at(tmp_path / "registry", create_key=True)
+    model = build_model(ARCH, 6, seed=3).eval()
+    weights = weights_of(model)
+    v = registry.add_version(NewVersion(run_id="r", server_round=1, parent_id=None, kind="fedavg", architecture=ARCH, weights=weights,
+                                        metrics={}, participants=["a"], model_input={"classes": list(datasets.synth.CLASSES), "image_size": 64,
+                                                                                       "channels": 1, "backbone": {"sha256": backbones.LITE0_SHA256}}))
+    assert v.num_parameters == sum(a.size for a in weights.values()) < 50_000  # the head, not the 4.6M-parameter backbone
+    registry.approve(v.id, actor="qa")
+    data = datasets.test_dataset(datasets.SyntheticSpec(), 12)
+    report = export_version(registry, v.id, tmp_path / "out", onnx=False, test_data=data)
+    scripted = torch.jit.load(report.files[0])
+    x = torch.from_numpy(data.images)
+    with torch.no_grad():
+        expected = load_weights(build_model(ARCH, 6), registry.load_weights(v.id)).eval()(x)
+        torch.testing.assert_close(scripted(x), expected, atol=1e-4, rtol=1e-4)
+    assert report.accuracy == pytest.approx(float((expected.argmax(1).numpy() == data.labels).mean()))
+
+
+def test_dp_on_the_head_is_accounted_exactly(tmp_path):
+    """Opacus privatises only the head (over cached features); the ledger's epsilon is Opacus' own."""
+    trainer = FactoryTrainer(AgentConfig(factory_id="dp-head", train_size=50, dp=True, dp_epsilon=4.0, dp_planned_rounds=3,
+                                         state_dir=str(tmp_path)))
+    weights = weights_of(build_model(ARCH, 6, seed=1))
+    eps = []
+    for r in (1, 2):
+        local = trainer.train(weights, CONFIG, r, run_id="r")
+        assert list(local.weights) == ["weight", "bias"] and not np.allclose(local.weights["weight"], weights["weight"])
+        eps.append(local.privacy["epsilon-spent"])
+        weights = local.weights
+    accountant = RDPAccountant()
+    for noise, rate, steps in trainer.ledger.history():
+        for _ in range(steps):
+            accountant.step(noise_multiplier=noise, sample_rate=rate)
+    assert 0 < eps[0] < eps[1] <= 4.0 and accountant.get_epsilon(delta=1e-5) == pytest.approx(eps[-1], rel=1e-9)
+    trainer.close()
+
+
+def test_fedavgm_and_fedadam_follow_their_papers_on_a_constructed_case():
+    w = OrderedDict(a=np.array([1.0, -2.0], np.float32))
+    averaged = [OrderedDict(a=np.array([1.5, -2.0], np.float32)), OrderedDict(a=np.array([2.0, -1.0], np.float32))]
+    m = ServerOptimizer("fedavgm", lr=1.0, beta1=0.5)
+    w1 = m.step(w, averaged[0])  # v = d1 = (0.5, 0)
+    np.testing.assert_allclose(w1["a"], [1.5, -2.0])
+    w2 = m.step(w1, averaged[1])  # d2 = (0.5, 1); v = 0.5 * v + d2 = (0.75, 1)
+    np.testing.assert_allclose(w2["a"], [2.25, -1.0])
+    a = ServerOptimizer("fedadam", lr=0.1, beta1=0.9, beta2=0.99, tau=1e-3)
+    d = np.array([0.5, 0.0])
+    out = a.step(w, averaged[0])
+    m1, v1 = 0.1 * d, 0.01 * d**2  # Reddi et al. Alg. 2: m = b1 m + (1-b1) d, v = b2 v + (1-b2) d^2, no bias correction
+    np.testing.assert_allclose(out["a"], np.array([1.0, -2.0]) + 0.1 * m1 / (np.sqrt(v1) + 1e-3), rtol=1e-6)
+    assert ServerOptimizer("fedavg").step(w, averaged[1])["a"].tolist() == [2.0, -1.0]  # plain FedAvg: the average itself
+    state = a.state_arrays()
+    resumed = ServerOptimizer("fedadam", lr=0.1, beta1=0.9, beta2=0.99, tau=1e-3)
+    resumed.load_state(state)
+    np.testing.assert_allclose(resumed.step(out, averaged[1])["a"], a.step(out, averaged[1])["a"])
+
+
+def test_fedprox_adds_mu_times_the_distance_to_the_global_model_to_the_gradient():
+    """Two full-batch SGD steps (lr 1, no momentum, decay or clipping) from the received weights w0 (Li et al. 2020):
+    w1 = w0 - grad CE(w0)  (the proximal gradient is zero at the anchor), w2 = w1 - (grad CE(w1) + mu (w1 - w0))."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 3)).astype(np.float16)
+    data = FeatureSet(x, np.array([0, 1, 1, 0]), ("a", "b"))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    w0 = [p.detach().clone() for p in model.parameters()]
+    cfg = TrainConfig(epochs=2, batch_size=4, lr=1.0, optimizer="sgd", momentum=0.0, weight_decay=0.0, grad_clip=0.0, warmup_fraction=0.0,
+                      proximal_mu=0.5)
+    train(model, data, cfg)
+
+    def grad_at(ws: list[torch.Tensor]) -> list[torch.Tensor]:
+        probe = torch.nn.Linear(3, 2)
+        with torch.no_grad():
+            for p, w in zip(probe.parameters(), ws):
+                p.copy_(w)
+        loss = F.cross_entropy(probe(torch.from_numpy(x.astype(np.float32))), torch.tensor([0, 1, 1, 0]))
+        return list(torch.autograd.grad(loss, list(probe.parameters())))
+
+    w1 = [w - g for w, g in zip(w0, grad_at(w0))]
+    w2 = [w - (g + 0.5 * (w - a)) for w, g, a in zip(w1, grad_at(w1), w0)]
+    for p, expected in zip(model.parameters(), w2):
+        torch.testing.assert_close(p.detach(), expected, atol=1e-5, rtol=1e-5)
+    assert float(proximal_term(model, w0).detach()) == pytest.approx(sum(float(((p - a) ** 2).sum()) for p, a in zip(model.parameters(), w0)))
+
+
+def test_personal_model_is_served_only_when_it_validates_better(tmp_path):
+    from client.agent import personal_chooser
+    import threading
+
+    trainer = FactoryTrainer(AgentConfig(factory_id="p", train_size=60, alpha=0.1, state_dir=str(tmp_path)))
+    initial = weights_of(build_model(ARCH, 6, seed=0))
+    local = trainer.train(initial, {**CONFIG, "local-epochs": 3, "lr": 0.01, "personal-epochs": 5}, 1, run_id="r")
+    personal, record = trainer.personal.get(ARCH)
+    # the personal model is the received global model fine-tuned here, not the update that was sent
+    assert record.global_accuracy == pytest.approx(local.received.accuracy) and not np.allclose(personal["weight"], local.weights["weight"])
+    assert record.accuracy == pytest.approx(trainer.score(ARCH, personal, DataRequest()))
+    choose = personal_chooser(trainer, threading.Lock())
+    untrained = build_model(ARCH, 6, seed=0)
+    label, served, why = choose("v1", ARCH, DataRequest(), untrained)
+    g = trainer.score(ARCH, weights_of(untrained), DataRequest())
+    p = trainer.score(ARCH, personal, DataRequest())
+    assert p > g and label.startswith("personal:1@v1") and f"{p - g:+.4f}" in why
+    label, served, why = choose("v2", ARCH, DataRequest(), load_weights(build_model(ARCH, 6), personal))
+    assert label == "v2" and "global" in why  # as good as the personal model: the approved global model is served
+    trainer.close()
+
+
+def test_cnn_family_still_trains_and_averages_every_weight():
+    model = build_model("cnn-small", 6, seed=0, in_channels=3)
+    assert len(weights_of(model)) == len(model.state_dict()) and federated_part(model) is model
+    data = datasets.ImageDataset(np.random.default_rng(0).random((8, 3, 32, 32), dtype=np.float32), np.arange(8) % 6)
+    result = train(model, data, TrainConfig(epochs=1, batch_size=4))
+    assert np.isfinite(result.loss) and result.steps == 2
+    assert Path(backbones.__file__).name == "backbones.py"
