@@ -24,11 +24,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import httpx  # noqa: E402
-import numpy as np  # noqa: E402
+import httpx
+import numpy as np
 
-from common.procs import free_port, wait_for_port  # noqa: E402
-from server.registry.service import NewVersion, Registry  # noqa: E402
+from common.procs import free_port, wait_for_port
+from server.registry.service import NewVersion, Registry
 
 MINIMAL = "from fastapi import FastAPI\napp = FastAPI()\n@app.get('/ping')\ndef ping():\n    return {'ok': True}\n"
 DASHBOARD = ("import sys\nfrom pathlib import Path\nfrom server.dashboard.app import DashboardSettings, create_app\n"
@@ -66,8 +66,8 @@ def load(url: str, requests: int, threads: int) -> dict[str, float]:
 def serve(tmp: Path, name: str, source: str, extra: list[str]) -> tuple[subprocess.Popen, int]:
     (tmp / f"{name}.py").write_text(source)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path[:0]=[{str(tmp)!r}, {str(ROOT)!r}]; import uvicorn, {name}; "
-                             f"uvicorn.run({name}.app, host='127.0.0.1', port={port}, log_level='warning', access_log=False)", *extra],
+    proc = subprocess.Popen([sys.executable, "-c", (f"import sys; sys.path[:0]=[{str(tmp)!r}, {str(ROOT)!r}]; import uvicorn, {name}; "
+                             f"uvicorn.run({name}.app, host='127.0.0.1', port={port}, log_level='warning', access_log=False)"), *extra],
                             stdout=subprocess.DEVNULL)
     wait_for_port("127.0.0.1", port, 60, proc)
     return proc, port

@@ -27,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.procs import ProcessSet  # noqa: E402
-from server.local import LocalFederation  # noqa: E402
+from common.procs import ProcessSet
+from server.local import LocalFederation
 
 
 def closure(name: str, seen: dict[str, int]) -> None:
@@ -60,7 +60,7 @@ def cold_start() -> dict[str, float]:
         home = fed.flwr_home()
         while True:
             out = subprocess.run(["flwr", "supernode", "ls", "fedforge", "--format", "json"], env={**__import__("os").environ, "FLWR_HOME": str(home)},
-                                 capture_output=True, text=True)
+                                 capture_output=True, text=True, check=False)
             if '"online"' in out.stdout:
                 break
             time.sleep(0.2)

@@ -22,13 +22,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from common.data import datasets  # noqa: E402
-from common.distill import DistillConfig, ProxySet, balanced_predictions, distill, ensemble_of, predict_proxy  # noqa: E402
-from common.models import build_model, load_weights, weights_of  # noqa: E402
-from common.training import TrainConfig, evaluate, set_torch_threads, train  # noqa: E402
-from server.aggregate import FactoryUpdate, fedavg  # noqa: E402
+from common.data import datasets
+from common.distill import DistillConfig, ProxySet, balanced_predictions, distill, ensemble_of, predict_proxy
+from common.models import build_model, load_weights, weights_of
+from common.training import TrainConfig, evaluate, set_torch_threads, train
+from server.aggregate import FactoryUpdate, fedavg
 
 
 def federated(parts, test, val, proxy, a, seed: int, with_distill: bool) -> dict:

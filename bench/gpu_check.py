@@ -18,12 +18,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from client.config import AgentConfig  # noqa: E402
-from client.workers import Job, WorkerGroup  # noqa: E402
-from common.models import build_model  # noqa: E402
-from common.training import TrainConfig  # noqa: E402
+from client.config import AgentConfig
+from client.workers import Job, WorkerGroup
+from common.models import build_model
+from common.training import TrainConfig
 
 
 def main() -> int:

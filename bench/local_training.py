@@ -19,15 +19,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from client.config import AgentConfig  # noqa: E402
-from client.dp import train_private  # noqa: E402
-from client.trainer import load_factory_data, split_validation  # noqa: E402
-from client.workers import Job, WorkerGroup  # noqa: E402
-from common.data import datasets  # noqa: E402
-from common.models import build_model  # noqa: E402
-from common.training import TrainConfig, set_torch_threads, train  # noqa: E402
+from client.config import AgentConfig
+from client.data import DataRequest
+from client.dp import DPPlan, sample_rate, train_private
+from client.workers import Job, WorkerGroup, factory_data
+from common.data import datasets
+from common.models import build_model
+from common.training import TrainConfig, set_torch_threads, train
 
 
 def per_step(fn, repeats: int = 3) -> float:
@@ -46,15 +46,15 @@ def dp_ratios(arch: str, images: int, batch: int) -> dict[str, float]:
     plain = per_step(lambda: train(build_model(arch, 6, seed=0), data, cfg).steps)
     out = {"plain_step_ms": plain * 1e3}
     for mode in ("hooks", "functorch", "ghost"):
-        t = per_step(lambda: train_private(build_model(arch, 6, seed=0), data, cfg, 1.0, 1.0, mode).steps)
+        plan = DPPlan(noise_multiplier=1.0, max_grad_norm=1.0, sample_rate=sample_rate(len(data), batch), grad_sample_mode=mode)
+        t = per_step(lambda plan=plan: train_private(build_model(arch, 6, seed=0), data, cfg, plan).steps)
         out[f"dp_{mode}_over_plain"] = t / plain
     return out
 
 
 def throughput(images: int, batch: int, arch: str) -> dict[str, float]:
     cfg = AgentConfig(factory_id="bench", train_size=images, torch_threads=1)
-    data, _ = load_factory_data(cfg)
-    train_data, _ = split_validation(data, cfg.val_fraction, cfg.data_seed)
+    train_data = factory_data(cfg).split(DataRequest()).train
     tc = TrainConfig(epochs=1, batch_size=batch)
     weights = {k: v.numpy() for k, v in build_model(arch, 6, seed=0).state_dict().items()}
     out = {}
@@ -67,7 +67,7 @@ def throughput(images: int, batch: int, arch: str) -> dict[str, float]:
         try:
             job = Job(weights=weights, architecture=arch, train=asdict(tc))
             group.run(job)  # warm-up
-            t = min(_timed(lambda: group.run(job)) for _ in range(3))
+            t = min(_timed(lambda group=group, job=job: group.run(job)) for _ in range(3))
         finally:
             group.close()
         out[f"{parallelism}_2ranks_img_s"] = len(train_data) / t

@@ -34,19 +34,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from client.config import AgentConfig  # noqa: E402
-from client.data import DataRequest  # noqa: E402
-from client.trainer import FactoryTrainer  # noqa: E402
-from common.data import datasets, synth  # noqa: E402
-from common.data.datasets import ImageDataset  # noqa: E402
-from common.features import FeatureCache, array_keys, features_of  # noqa: E402
-from common.models import build_model, federated_part, is_pretrained, load_weights, weights_of  # noqa: E402
-from common.training import TrainConfig, evaluate, set_torch_threads, train  # noqa: E402
-from server.aggregate import FactoryUpdate, fedavg  # noqa: E402
-from server.config import FederationConfig  # noqa: E402
-from server.optimizers import ServerOptimizer  # noqa: E402
+from client.config import AgentConfig
+from client.data import DataRequest
+from client.trainer import FactoryTrainer
+from common.data import datasets, synth
+from common.data.datasets import ImageDataset
+from common.features import FeatureCache, array_keys, features_of
+from common.models import build_model, federated_part, is_pretrained, load_weights, weights_of
+from common.training import TrainConfig, evaluate, set_torch_threads, train
+from server.aggregate import FactoryUpdate, fedavg
+from server.config import FederationConfig
+from server.optimizers import ServerOptimizer
 
 
 @dataclass(frozen=True)

@@ -24,20 +24,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import grpc  # noqa: E402
-import numpy as np  # noqa: E402
-from PIL import Image  # noqa: E402
+import grpc
+import numpy as np
+from PIL import Image
 
-from client.agent import serve  # noqa: E402
-from client.config import AgentConfig  # noqa: E402
-from client.models import ModelClient  # noqa: E402
-from common.data import datasets  # noqa: E402
-from common.models import build_model  # noqa: E402
-from common.procs import free_port  # noqa: E402
-from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc  # noqa: E402
-from common.signing import load_public  # noqa: E402
-from server.registry.grpc_service import serve_registry  # noqa: E402
-from server.registry.service import NewVersion, Registry  # noqa: E402
+from client.agent import serve
+from client.config import AgentConfig
+from client.models import ModelClient
+from common.data import datasets
+from common.models import build_model
+from common.procs import free_port
+from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
+from common.signing import load_public
+from server.registry.grpc_service import serve_registry
+from server.registry.service import NewVersion, Registry
 
 
 def download(tmp: Path, megabytes: int) -> dict[str, float]:

@@ -22,10 +22,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common.procs import ProcessSet, free_port, wait_for_port  # noqa: E402
-from server import launch  # noqa: E402
-from server.local import LocalFederation, wait_for_run  # noqa: E402
-from server.registry.service import Registry  # noqa: E402
+import itertools
+
+from common.procs import ProcessSet, free_port, wait_for_port
+from server import launch
+from server.local import LocalFederation, wait_for_run
+from server.registry.service import Registry
 
 
 def fedforge_rounds(root: Path, factories: int, rounds: int, architecture: str) -> list[float]:
@@ -53,7 +55,7 @@ def plain_flower_rounds(root: Path, factories: int, rounds: int, architecture: s
         cfg = (f'num-server-rounds={rounds} num-factories={factories} architecture="{architecture}" timings-file="{timings}" '
                f'local-epochs={local_epochs}')
         out = subprocess.run([shutil.which("flwr"), "run", str(ROOT / "bench" / app), launch.CONNECTION, "--run-config", cfg, "--format", "json"],
-                             env=launch.flwr_env(home), capture_output=True, text=True, timeout=120)
+                             env=launch.flwr_env(home), capture_output=True, text=True, timeout=120, check=False)
         if out.returncode != 0:
             raise RuntimeError(out.stdout + out.stderr)
         deadline = time.monotonic() + 180 * rounds + 120
@@ -63,7 +65,7 @@ def plain_flower_rounds(root: Path, factories: int, rounds: int, architecture: s
             time.sleep(0.5)
         stamps = json.loads(timings.read_text())
     times = [s["time"] for s in stamps]
-    return [b - a for a, b in zip(times, times[1:])]
+    return [b - a for a, b in itertools.pairwise(times)]
 
 
 def main() -> None:

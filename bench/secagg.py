@@ -23,10 +23,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common.procs import ProcessSet  # noqa: E402
-from common.secagg.primitives import expand_mask  # noqa: E402
-from server.local import LocalFederation, wait_for_run  # noqa: E402
-from server.registry.service import Registry  # noqa: E402
+from common.procs import ProcessSet
+from common.secagg.primitives import expand_mask
+from server.local import LocalFederation, wait_for_run
+from server.registry.service import Registry
 
 
 def mask_throughput(sizes: list[int]) -> list[dict[str, float]]:
@@ -35,8 +35,8 @@ def mask_throughput(sizes: list[int]) -> list[dict[str, float]]:
     rows = []
     for n in sizes:
         seed = os.urandom(32)
-        t_ours = min(_timed(lambda: expand_mask(seed, n)) for _ in range(5))
-        t_flwr = min(_timed(lambda: pseudo_rand_gen(seed, 1 << 31, [(n,)])) for _ in range(5))
+        t_ours = min(_timed(lambda seed=seed, n=n: expand_mask(seed, n)) for _ in range(5))
+        t_flwr = min(_timed(lambda seed=seed, n=n: pseudo_rand_gen(seed, 1 << 31, [(n,)])) for _ in range(5))
         rows.append({"elements": n, "fedforge_GBps": 8 * n / t_ours / 1e9, "flower_GBps": 8 * n / t_flwr / 1e9, "speedup": t_flwr / t_ours})
     return rows
 

@@ -200,7 +200,7 @@ class _status_on_error:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type: type | None, exc: BaseException | None, _tb: object) -> bool:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, _tb: object) -> bool:
         if exc is None:
             return False
         if isinstance(exc, WorkerGroupError):
@@ -249,8 +249,8 @@ def personal_chooser(trainer: FactoryTrainer, lock: threading.Lock) -> Any:
             p = trainer.score(architecture, weights, request)
         if p > g:
             return (f"personal:{record.server_round}@{version_id}", model_for_weights(weights, architecture, request),
-                    f"personal model of round {record.server_round} scores {p:.4f} on this factory's held-out images, "
-                    f"the global {version_id[:8]} {g:.4f} ({p - g:+.4f})")
+                    (f"personal model of round {record.server_round} scores {p:.4f} on this factory's held-out images, "
+                    f"the global {version_id[:8]} {g:.4f} ({p - g:+.4f})"))
         return version_id, global_model, f"global {version_id[:8]} scores {g:.4f} on this factory's held-out images, the personal model {p:.4f}"
 
     return choose

@@ -21,7 +21,6 @@ from torch.utils.data import DataLoader, Dataset
 from common.data.datasets import ImageSet
 from common.training import TrainConfig, TrainResult, make_optimizer, warmup_cosine
 
-
 # Opacus warns on every engine that secure_mode is off (see docs/security.md for why and what we do
 # instead) and torch warns that backward hooks fire for inputs without grad: both are expected here.
 warnings.filterwarnings("ignore", message=".*Secure RNG turned off.*")

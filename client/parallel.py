@@ -58,7 +58,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def full_state_dict(model: nn.Module) -> "OrderedDict[str, np.ndarray]":
+def full_state_dict(model: nn.Module) -> OrderedDict[str, np.ndarray]:
     """Plain, unsharded weights as numpy (a collective under FSDP: every rank must call it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

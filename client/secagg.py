@@ -14,7 +14,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from common.secagg.primitives import (
-    ShareBoxError, SharePair, agree, expand_mask, new_keypair, open_box, private_bytes, seal, self_mask_seed, share_secret,
+    ShareBoxError,
+    SharePair,
+    agree,
+    expand_mask,
+    new_keypair,
+    open_box,
+    private_bytes,
+    seal,
+    self_mask_seed,
+    share_secret,
 )
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from torch import nn
 
 from client.config import AgentConfig
 from client.data import DataRequest, FactoryData, fit_reason, open_source
-from client.dp import DPPlan, check_dp_compatible, steps_per_epoch, sample_rate, train_private
+from client.dp import DPPlan, check_dp_compatible, sample_rate, steps_per_epoch, train_private
 from client.parallel import apply_activation_checkpointing
 from client.personal import PersonalModels
 from client.privacy import PrivacyLedger, noise_for_budget

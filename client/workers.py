@@ -146,7 +146,7 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, cfg: Agent
             train_data = data.split(job.request or DataRequest()).train
             out = run_job(job, train_data, parallelism, rank, world_size, backend)
             results.put((rank, "ok", out if rank == 0 else {"digest": out["digest"], "pid": os.getpid()}))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log.exception("rank %d failed", rank)
             results.put((rank, "error", f"{type(exc).__name__}: {exc}"))
     with contextlib.suppress(Exception):

@@ -170,7 +170,7 @@ class DistillReport:
     val_kl_after: float
 
 
-def distill(model: torch.nn.Module, proxy: ProxySet | np.ndarray, teacher: np.ndarray, cfg: DistillConfig) -> tuple["OrderedDict[str, np.ndarray]", DistillReport]:
+def distill(model: torch.nn.Module, proxy: ProxySet | np.ndarray, teacher: np.ndarray, cfg: DistillConfig) -> tuple[OrderedDict[str, np.ndarray], DistillReport]:
     """Train ``model`` to match the ensemble's probabilities ``teacher`` (N, C) at temperature T.
 
     ``proxy`` is the proxy images, or for a pretrained model's head their (cached) backbone features.
@@ -181,7 +181,7 @@ def distill(model: torch.nn.Module, proxy: ProxySet | np.ndarray, teacher: np.nd
     images = torch.from_numpy(_inputs(proxy))
     n = len(images)
     order = np.random.default_rng(cfg.seed).permutation(n)
-    n_val = max(1, int(round(n * cfg.val_fraction)))
+    n_val = max(1, round(n * cfg.val_fraction))
     val_idx, train_idx = order[:n_val], order[n_val:]
     target = torch.from_numpy(np.asarray(teacher, dtype=np.float32))
     t = cfg.temperature

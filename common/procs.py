@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Self
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,8 @@ class ProcessSet:
         proc = subprocess.Popen(
             cmd, stdout=stdout, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True,
-            preexec_fn=_die_with_parent if os.name == "posix" else None,
+            # preexec_fn runs between fork and exec; it only calls prctl (no locks, no Python-level threads touched)
+            preexec_fn=_die_with_parent if os.name == "posix" else None,  # noqa: PLW1509
         )
         if stdout is not subprocess.DEVNULL:
             stdout.close()
@@ -125,7 +127,7 @@ class ProcessSet:
     def dead(self) -> list[tuple[str, int]]:
         return [(name, proc.returncode) for name, proc in self.procs if proc.poll() is not None]
 
-    def __enter__(self) -> ProcessSet:
+    def __enter__(self) -> Self:
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._old_handlers[sig] = signal.signal(sig, self._on_signal)
         return self

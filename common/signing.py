@@ -101,12 +101,12 @@ def create_keypair(directory: str | Path, name: str = "signing") -> tuple[Path, 
 def load_private(path: str | Path) -> Ed25519PrivateKey:
     key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
     if not isinstance(key, Ed25519PrivateKey):
-        raise ValueError(f"{path} is not an Ed25519 private key")
+        raise TypeError(f"{path} is not an Ed25519 private key")
     return key
 
 
 def load_public(path: str | Path) -> Ed25519PublicKey:
     key = serialization.load_pem_public_key(Path(path).read_bytes())
     if not isinstance(key, Ed25519PublicKey):
-        raise ValueError(f"{path} is not an Ed25519 public key")
+        raise TypeError(f"{path} is not an Ed25519 public key")
     return key

@@ -43,7 +43,7 @@ def to_tensors(arrays: Mapping[str, np.ndarray]) -> list[edge_pb2.Tensor]:
     return [to_tensor(name, arr) for name, arr in arrays.items()]
 
 
-def from_tensors(tensors: Iterable[edge_pb2.Tensor]) -> "OrderedDict[str, np.ndarray]":
+def from_tensors(tensors: Iterable[edge_pb2.Tensor]) -> OrderedDict[str, np.ndarray]:
     out: OrderedDict[str, np.ndarray] = OrderedDict()
     for t in tensors:
         if t.name in out:

@@ -36,7 +36,7 @@ def generate(out: Path) -> list[Path]:
     written = []
     for path in sorted(out.rglob("*.py*")):
         text = path.read_text()
-        text = re.sub(r"^from fedforge\.v1 import (\w+)", r"from . import \1", text, flags=re.M)
+        text = re.sub(r"^from fedforge\.v1 import (\w+)", r"from . import \1", text, flags=re.MULTILINE)
         path.write_text(HEADER + text if path.suffix == ".py" else text)
         written.append(path)
     for folder in [out, *[p for p in out.rglob("*") if p.is_dir()]]:

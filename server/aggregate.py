@@ -15,7 +15,7 @@ from common.tensors import UpdateError, check_like
 class FactoryUpdate:
     factory_id: str
     node_id: int
-    weights: "OrderedDict[str, np.ndarray]"
+    weights: OrderedDict[str, np.ndarray]
     num_examples: int
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -28,7 +28,7 @@ def validate_update(global_weights: Mapping[str, np.ndarray], update: FactoryUpd
     check_like(global_weights, update.weights, source)
 
 
-def fedavg(updates: Sequence[FactoryUpdate], like: Mapping[str, np.ndarray]) -> "OrderedDict[str, np.ndarray]":
+def fedavg(updates: Sequence[FactoryUpdate], like: Mapping[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
     """Weighted mean (by example count), accumulated in float64, returned in ``like``'s dtypes."""
     if not updates:
         raise ValueError("fedavg needs at least one update")

@@ -8,7 +8,7 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from server.federation import FederationConfig, Federation
+from server.federation import Federation, FederationConfig
 
 app = ServerApp()
 

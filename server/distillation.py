@@ -43,7 +43,7 @@ def load_validation(cfg: FederationConfig) -> ImageSet:
 
 @dataclass(frozen=True)
 class DistillOutcome:
-    weights: "OrderedDict[str, np.ndarray]"  # the distilled model if kept, else the undistilled one
+    weights: OrderedDict[str, np.ndarray]  # the distilled model if kept, else the undistilled one
     kept: bool
     val_accuracy_before: float
     val_accuracy_after: float
@@ -57,7 +57,7 @@ class DistillOutcome:
         }
 
 
-def distil_into(model: torch.nn.Module, weights: "OrderedDict[str, np.ndarray]", proxy: np.ndarray, ensemble: np.ndarray,
+def distil_into(model: torch.nn.Module, weights: OrderedDict[str, np.ndarray], proxy: np.ndarray, ensemble: np.ndarray,
                 validation: ImageSet, cfg: DistillConfig) -> DistillOutcome:
     """Distil the ensemble into ``weights``; keep the result only if validation accuracy does not drop.
 

@@ -372,7 +372,7 @@ class Federation:
         return DistillConfig(temperature=c.distill_temperature, epochs=c.distill_epochs, patience=c.distill_patience, lr=c.distill_lr,
                              seed=c.seed * 1000 + server_round)
 
-    def _evaluate(self, arch: str, weights: "OrderedDict[str, np.ndarray]") -> dict[str, float]:
+    def _evaluate(self, arch: str, weights: OrderedDict[str, np.ndarray]) -> dict[str, float]:
         model = self._model(arch)
         result = self.central.evaluate(load_weights(model, weights), arch)
         return {"accuracy": result.accuracy, "loss": result.loss} if result is not None else {}

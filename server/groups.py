@@ -19,7 +19,7 @@ class Line:
     """One architecture's global model, the registry version it is (the head of its lineage), and its server optimiser."""
 
     architecture: str
-    weights: "OrderedDict[str, np.ndarray]"
+    weights: OrderedDict[str, np.ndarray]
     version: Any  # None until the initial model is recorded (after round 1's key exchange has started)
     optimizer: ServerOptimizer = field(default_factory=ServerOptimizer)
 
@@ -49,7 +49,7 @@ class RoundPlan:
 class RoundResult:
     """Per-group averaged models (only groups that received updates), the ensemble, the federated figures, who took part."""
 
-    group_weights: dict[str, "OrderedDict[str, np.ndarray]"] = field(default_factory=dict)
+    group_weights: dict[str, OrderedDict[str, np.ndarray]] = field(default_factory=dict)
     group_examples: dict[str, float] = field(default_factory=dict)
     ensemble: np.ndarray | None = None  # mean of the factories' proxy-set probabilities, (N, classes)
     ensemble_size: int = 0

@@ -45,7 +45,7 @@ def tls_files(certs_dir: str | Path) -> dict[str, str]:
 def register_supernode(home: Path, public_key: str | Path, timeout: float = 60.0) -> str:
     """``flwr supernode register KEY.pub fedforge``; returns Flower's node id."""
     proc = subprocess.run([shutil.which("flwr") or "flwr", "supernode", "register", str(public_key), CONNECTION, "--format", "json"],
-                          env=flwr_env(home), capture_output=True, text=True, timeout=timeout)
+                          env=flwr_env(home), capture_output=True, text=True, timeout=timeout, check=False)
     try:
         out = json.loads(proc.stdout)
     except json.JSONDecodeError:
@@ -91,7 +91,7 @@ def submit_run(home: Path, run_config: Mapping[str, Any], timeout: float = 120.0
     cmd = [shutil.which("flwr") or "flwr", "run", str(app_dir()), CONNECTION, "--format", "json"]
     if overrides:
         cmd += ["--run-config", overrides]
-    proc = subprocess.run(cmd, env=flwr_env(home), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=flwr_env(home), capture_output=True, text=True, timeout=timeout, check=False)
     try:
         out = json.loads(proc.stdout)
     except json.JSONDecodeError:
@@ -104,7 +104,7 @@ def submit_run(home: Path, run_config: Mapping[str, Any], timeout: float = 120.0
 def run_status(home: Path, run_id: str, timeout: float = 60.0) -> str:
     """The SuperLink's status of a run (e.g. 'running', 'finished:completed', 'finished:failed')."""
     proc = subprocess.run([shutil.which("flwr") or "flwr", "ls", CONNECTION, "--run-id", run_id, "--format", "json"],
-                          env=flwr_env(home), capture_output=True, text=True, timeout=timeout)
+                          env=flwr_env(home), capture_output=True, text=True, timeout=timeout, check=False)
     try:
         runs = json.loads(proc.stdout).get("runs", [])
     except json.JSONDecodeError:
@@ -113,6 +113,6 @@ def run_status(home: Path, run_id: str, timeout: float = 60.0) -> str:
 
 
 def stop_run(home: Path, run_id: str, timeout: float = 60.0) -> None:
-    proc = subprocess.run([shutil.which("flwr") or "flwr", "stop", run_id, CONNECTION], env=flwr_env(home), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([shutil.which("flwr") or "flwr", "stop", run_id, CONNECTION], env=flwr_env(home), capture_output=True, text=True, timeout=timeout, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"flwr stop {run_id} failed: {proc.stdout.strip()} {proc.stderr.strip()}"[-1000:])

@@ -155,7 +155,7 @@ class LocalFederation:
     def register(self, name: str) -> None:
         """``fedforge factories add NAME``: what an operator runs before a factory may join."""
         proc = subprocess.run(fedforge_command() + ["factories", "add", name, "--certs-dir", str(self.certs_dir), "--superlink", self.superlink,
-                                                    "--workdir", str(self.root / "central")], capture_output=True, text=True, timeout=120)
+                                                    "--workdir", str(self.root / "central")], capture_output=True, text=True, timeout=120, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"fedforge factories add {name} failed: {proc.stdout} {proc.stderr}"[-2000:])
 

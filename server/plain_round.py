@@ -29,11 +29,11 @@ class RoundAborted(RuntimeError):
         self.failures, self.participants = failures, participants
 
 
-def arrays_of(weights: "OrderedDict[str, np.ndarray]") -> ArrayRecord:
+def arrays_of(weights: OrderedDict[str, np.ndarray]) -> ArrayRecord:
     return ArrayRecord(OrderedDict((k, Array(v)) for k, v in weights.items()))
 
 
-def parse_update(messenger: Messenger, node_id: int, reply: Message, like: "OrderedDict[str, np.ndarray] | None") -> FactoryUpdate:
+def parse_update(messenger: Messenger, node_id: int, reply: Message, like: OrderedDict[str, np.ndarray] | None) -> FactoryUpdate:
     content = reply.content
     factory_id = messenger.name(node_id)
     metrics = {k: float(v) for k, v in content["metrics"].items()}

@@ -55,5 +55,5 @@ class PostgresServer:
         return self.url(name)
 
     def stop(self) -> None:
-        subprocess.run(_as_postgres([_bin("pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop"]), capture_output=True)
+        subprocess.run(_as_postgres([_bin("pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop"]), capture_output=True, check=False)
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,5 +1,6 @@
 """The run configuration: pyproject's table, the server's and the trainer's config types agree key for key."""
 
+import itertools
 import logging
 import tomllib
 from pathlib import Path
@@ -30,7 +31,7 @@ def test_every_training_option_is_reachable_from_the_run_config():
     assert {k: sent[k] for k in run} == run and sent["classes"] == cfg.classes and sent["image-size"] == 64
     # lr-schedule = cosine (the default): round 1 trains at lr, the last round at lr / 10, smoothly in between
     lrs = [cfg.train_config(r, "cnn-small")["lr"] for r in range(1, cfg.num_server_rounds + 1)]
-    assert lrs[0] == 0.01 and lrs[-1] == pytest.approx(0.001) and all(a > b for a, b in zip(lrs, lrs[1:]))
+    assert lrs[0] == 0.01 and lrs[-1] == pytest.approx(0.001) and all(a > b for a, b in itertools.pairwise(lrs))
     constant = FederationConfig.from_run_config({**run, "lr-schedule": "constant"})
     assert {constant.train_config(r)["lr"] for r in (1, 5, 10)} == {0.01}
 

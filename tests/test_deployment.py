@@ -46,7 +46,7 @@ def _compose_config(env: dict[str, str]) -> dict:
         cmd = ["docker-compose", "-f", str(root / "compose.yaml"), "config"]
     else:
         cmd = ["docker", "compose", "-f", str(root / "compose.yaml"), "config"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, cwd=root, timeout=60)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, cwd=root, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
     return yaml.safe_load(proc.stdout)
 
@@ -91,7 +91,7 @@ def test_compose_commands_run_as_local_processes(tmp_path, no_leftover_processes
 
     def once(name: str) -> str:
         cmd, svc_env = command(name)
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **svc_env}, timeout=180)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **svc_env}, timeout=180, check=False)
         assert proc.returncode == 0, f"{name}: {proc.stdout[-1500:]} {proc.stderr[-1500:]}"
         return proc.stdout
 
@@ -179,7 +179,8 @@ def test_central_site_crashes_resume_from_the_registry(tmp_path, no_leftover_pro
 
     with ProcessSet(tmp_path / "logs") as procs:
         fed = LocalFederation(tmp_path, procs, num_factories=2, train_size=200,
-                              central_flags=["--rounds", "3", "--set", "local-epochs=1", "--set", "min-factories=2", "--set", "expected-factories=2"])
+                              central_flags=["--rounds", "3", "--set", "local-epochs=1", "--set", "min-factories=2", "--set", "expected-factories=2",
+                                             "--set", "architecture='cnn-small'", "--set", "personal-epochs=0", "--set", "federated-evaluation=false"])
         fed.start()
         registry = Registry.at(fed.registry_dir)
 

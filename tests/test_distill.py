@@ -32,8 +32,8 @@ PROXY, CLASSES = 32, 6
 
 
 def _config(tmp_path, local_epochs=1, **kw):
-    base = dict(num_server_rounds=1, test_size=60, validation_size=60, proxy_size=PROXY, distill_epochs=2, wait_for_factories=5,
-                round_timeout=60, secagg_timeout=60, registry_dir=str(tmp_path / "registry"), min_factories=2, federated_evaluation=False)
+    base = {"num_server_rounds": 1, "test_size": 60, "validation_size": 60, "proxy_size": PROXY, "distill_epochs": 2, "wait_for_factories": 5,
+                "round_timeout": 60, "secagg_timeout": 60, "registry_dir": str(tmp_path / "registry"), "min_factories": 2, "federated_evaluation": False}
     return FederationConfig(**{**base, **kw}, training=TrainConfig(epochs=local_epochs))
 
 
@@ -164,7 +164,7 @@ def test_bad_predictions_are_excluded_by_name_and_groups_get_their_own_lines(tmp
     versions = registry.versions("run-21")
     for arch in ("cnn-small", "cnn-medium"):
         line = [v for v in versions if v.architecture == arch]
-        assert [v.kind for v in line][0] == "initial" and line[1].kind in ("fedavg", "distilled")
+        assert next(v.kind for v in line) == "initial" and line[1].kind in ("fedavg", "distilled")
         assert line[1].parent_id == line[0].id  # each architecture is its own lineage
         assert f"{arch}/distill-kept" in round1.metrics
         assert (line[1].kind == "distilled") == bool(round1.metrics[f"{arch}/distill-kept"])
@@ -242,7 +242,7 @@ def test_secure_distillation_server_sees_only_sums_and_survives_a_dropout(tmp_pa
     medium = [v for v in registry.versions("run-23") if v.architecture == "cnn-medium"]
     assert [v.kind for v in medium] in (["initial"], ["initial", "distilled"])
     small = [v for v in registry.versions("run-23") if v.architecture == "cnn-small"]
-    assert [v.kind for v in small][0] == "initial" and small[1].kind in ("fedavg", "distilled")
+    assert next(v.kind for v in small) == "initial" and small[1].kind in ("fedavg", "distilled")
 
 
 def test_secure_distillation_only_rounds_send_predictions_and_no_weights(tmp_path, agents):
@@ -261,6 +261,28 @@ def test_secure_distillation_only_rounds_send_predictions_and_no_weights(tmp_pat
         assert f"{arch}/distill-kept" in round1.metrics  # distilled (kept or not) into every group
 
 
+def test_distillation_into_the_pretrained_head_over_cached_proxy_features(tmp_path):
+    """Two real agents on the frozen backbone: they predict on the proxy set through their cached features, and the server
+    distils the ensemble into the head over the proxy set's features (it never runs the backbone per epoch)."""
+    started = [serve(AgentConfig(factory_id=f"factory-{i}", listen=f"127.0.0.1:{free_port()}", factory_index=i, num_factories=2, train_size=48,
+                                 architecture="effnet-lite0", state_dir=str(tmp_path / f"factory-{i}"))) for i in range(2)]
+    try:
+        recorded: dict[str, list] = {"server-saw": []}
+        grid = ScriptedGrid({i + 1: agent_node(agent, recorded) for i, agent in enumerate(started)})
+        fed = Federation(grid, _config(tmp_path, architecture="effnet-lite0", secure_aggregation=False, distill="after", round_timeout=120),
+                         flwr_run_id="25")
+        fed.run()
+        cache_hits = [agent.trainer.features.hits for agent in started]
+    finally:
+        for agent in started:
+            agent.stop(0)
+    (round1,) = Registry.at(tmp_path / "registry").rounds("run-25")
+    assert round1.status == "completed" and "effnet-lite0/distill-kept" in round1.metrics
+    assert len(recorded["server-saw"]) and {n for n, _ in recorded["server-saw"]} >= {"weight", "bias", "probabilities"}  # head + predictions
+    assert fed.central.features.misses >= PROXY  # the proxy set's features, computed once at the server
+    assert all(h >= 0 for h in cache_hits)
+
+
 # -- end to end ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.usefixtures("no_leftover_processes")
@@ -275,8 +297,9 @@ def test_demo_distills_across_two_architectures(tmp_path):
     proc = subprocess.run(fedforge_command() + [
         "demo", "--factories", "2", "--rounds", "2", "--local-epochs", "3", "--train-size", "300", "--distill", "--no-secure",
         "--architectures", "cnn-small,cnn-medium", "--min-factories", "2", "--set", "proxy-size=120", "--set", "distill-epochs=5",
+        "--set", "personal-epochs=0", "--set", "server-optimizer=fedavg", "--set", "lr-schedule=constant",  # from-scratch CNNs, 2 rounds
         "--workdir", str(tmp_path / "demo"), "--json", str(summary_path),
-    ], capture_output=True, text=True, timeout=900)
+    ], capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(summary_path.read_text())
     assert summary["status"] == "finished" and [r["status"] for r in summary["rounds"]] == ["completed", "completed"]

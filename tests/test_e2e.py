@@ -13,9 +13,9 @@ import time
 import pytest
 
 from common.procs import ProcessSet
-from tests.conftest import federation_pids
 from server.local import LocalFederation, wait_for_run
 from server.registry.service import Registry
+from tests.conftest import federation_pids
 
 pytestmark = pytest.mark.slow
 CHANCE = 1 / 6
@@ -60,7 +60,8 @@ def test_killed_agent_is_left_out_and_the_next_round_proceeds(tmp_path, no_lefto
     with ProcessSet(root / "logs") as procs:
         fed = LocalFederation(root, procs, num_factories=3, train_size=300)
         fed.start(separate_agents=frozenset({2}))
-        flwr_run_id = fed.submit(fed.run_config(2, **{"min-factories": 2, "round-timeout": 120.0, "local-epochs": 1}))
+        flwr_run_id = fed.submit(fed.run_config(2, **{"min-factories": 2, "round-timeout": 120.0, "local-epochs": 1, "architecture": "cnn-small",
+                                                      "personal-epochs": 0, "federated-evaluation": False}))
         registry, run_id = Registry.at(fed.registry_dir), f"run-{flwr_run_id}"
 
         deadline = time.monotonic() + 300
@@ -87,9 +88,9 @@ def test_demo_with_dp_and_ddp(tmp_path, no_leftover_processes):
     proc = subprocess.run(
         [sys.executable, "-m", "common.cli", "demo", "--factories", "2", "--rounds", "2", "--local-epochs", "1", "--train-size", "200",
          "--dp", "--epsilon", "8", "--parallelism", "ddp", "--local-world-size", "2", "--min-factories", "2",
+         "--architecture", "cnn-small", "--set", "personal-epochs=0",  # DDP trains from-scratch CNNs (a frozen backbone's head trains in-process)
          "--workdir", str(tmp_path / "demo"), "--json", str(summary_path)],
-        capture_output=True, text=True, timeout=600,
-    )
+        capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(summary_path.read_text())
     assert [r["status"] for r in summary["rounds"]] == ["completed", "completed"]
@@ -105,19 +106,36 @@ def _demo(tmp_path, name: str, *flags: str, train_size: int = 600) -> tuple[dict
     proc = subprocess.run(
         [sys.executable, "-m", "common.cli", "demo", "--factories", "3", "--rounds", "2", "--train-size", str(train_size),
          "--workdir", str(tmp_path / name), "--json", str(path), *flags],
-        capture_output=True, text=True, timeout=600,
-    )
+        capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(path.read_text()), proc
 
 
-def test_secure_aggregation_reaches_the_same_accuracy_as_plain(tmp_path, default_demo, no_leftover_processes):
-    secure = default_demo[1]
-    plain, _ = _demo(tmp_path, "plain", "--no-secure")
-    assert [v["secure_aggregation"] for v in secure["versions"][1:]] == [True, True]
-    assert [v["secure_aggregation"] for v in plain["versions"][1:]] == [False, False]
-    # same seeds, data and training: only fixed-point rounding (2^-24) and clipping differ
-    assert abs(secure["final_accuracy"] - plain["final_accuracy"]) <= 0.03, (secure["final_accuracy"], plain["final_accuracy"])
+def test_the_pretrained_default_learns_far_faster_than_a_model_from_scratch(default_demo):
+    """The default recipe (frozen EfficientNet-Lite0, federated head) after 2 secure rounds over real processes, against
+    `cnn-small` from scratch after the same 2 rounds of FedAvg on the same factories' data (in process, same local epochs)."""
+    from client.config import AgentConfig
+    from client.data import DataRequest
+    from client.workers import factory_data
+    from common.data import datasets
+    from common.models import build_model, load_weights, weights_of
+    from common.training import TrainConfig, evaluate, train
+    from server.aggregate import FactoryUpdate, fedavg
+
+    summary = default_demo[1]
+    pretrained = summary["rounds"][1]["accuracy"]
+    parts = [factory_data(AgentConfig(factory_id=f"f{i}", factory_index=i, num_factories=3, train_size=600)).split(DataRequest()).train
+             for i in range(3)]
+    model = build_model("cnn-small", 6, seed=0)
+    weights = weights_of(model)
+    for r in (1, 2):
+        updates = []
+        for i, part in enumerate(parts):
+            train(load_weights(model, weights), part, TrainConfig(epochs=2, seed=r * 10 + i))
+            updates.append(FactoryUpdate(f"f{i}", i, weights_of(model), len(part)))
+        weights = fedavg(updates, like=weights)
+    scratch = evaluate(load_weights(model, weights), datasets.test_dataset(datasets.SyntheticSpec(num_factories=3), 600)).accuracy
+    assert pretrained > scratch + 0.15, (pretrained, scratch)
 
 
 def _write_folder(root, classes: dict[str, str], per_class: int, seed: int, size: tuple[int, int], mode: str, suffix: str) -> None:

@@ -20,8 +20,8 @@ from common.procs import free_port
 from common.secagg import quantize
 from common.secagg.layout import Contribution, SecureLayout
 from common.training import TrainConfig
-from server.federation import Federation
 from server.config import FederationConfig
+from server.federation import Federation
 from server.registry.service import Registry
 from tests.test_server_rounds import ScriptedGrid, _task_identity, agent_node, factory, plus  # noqa: F401 - fixture re-used
 
@@ -65,8 +65,8 @@ def agents(tmp_path):
 
 
 def _config(tmp_path, **kw):
-    base = dict(num_server_rounds=2, test_size=60, wait_for_factories=5, round_timeout=60, secagg_timeout=60, registry_dir=str(tmp_path / "registry"),
-                min_factories=2, secagg_threshold=2)
+    base = {"num_server_rounds": 2, "test_size": 60, "wait_for_factories": 5, "round_timeout": 60, "secagg_timeout": 60, "registry_dir": str(tmp_path / "registry"),
+                "min_factories": 2, "secagg_threshold": 2}
     return FederationConfig(**{**base, **kw}, training=TrainConfig(epochs=1))
 
 
@@ -109,6 +109,25 @@ def test_every_version_gets_the_factories_figures_and_the_server_sees_only_sums(
         assert {name for name, _ in recorded["server-saw"]} == {"masked"}
         assert all(a.dtype == np.uint64 for _, a in recorded["server-saw"])
         assert not any(e.shared for e in evaluations)
+
+
+def test_secure_and_plain_rounds_produce_the_same_model(tmp_path):
+    """Same factories, same seeds: the securely aggregated model equals the plain FedAvg one up to fixed-point rounding (2^-24)."""
+    finals = {}
+    for secure in (True, False):
+        started = [serve(AgentConfig(factory_id=f"factory-{i}", listen=f"127.0.0.1:{free_port()}", factory_index=i, num_factories=3,
+                                     train_size=60, state_dir=str(tmp_path / f"{secure}-{i}"))) for i in range(3)]
+        try:
+            grid = ScriptedGrid({i + 1: agent_node(agent, {}) for i, agent in enumerate(started)})
+            cfg = _config(tmp_path / str(secure), secure_aggregation=secure, federated_evaluation=False)
+            Federation(grid, cfg, flwr_run_id="44").run()
+        finally:
+            for agent in started:
+                agent.stop(0)
+        registry = Registry.at(tmp_path / str(secure) / "registry")
+        finals[secure] = registry.load_weights(registry.versions("run-44")[-1].id)
+    for name, plain in finals[False].items():
+        np.testing.assert_allclose(finals[True][name], plain, atol=1e-5, err_msg=name)
 
 
 def test_a_run_whose_every_round_aborts_ends_failed_with_the_reason(tmp_path):

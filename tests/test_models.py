@@ -160,8 +160,9 @@ def test_fedprox_adds_mu_times_the_distance_to_the_global_model_to_the_gradient(
 
 
 def test_personal_model_is_served_only_when_it_validates_better(tmp_path):
-    from client.agent import personal_chooser
     import threading
+
+    from client.agent import personal_chooser
 
     trainer = FactoryTrainer(AgentConfig(factory_id="p", train_size=60, alpha=0.1, state_dir=str(tmp_path)))
     initial = weights_of(build_model(ARCH, 6, seed=0))
@@ -172,11 +173,11 @@ def test_personal_model_is_served_only_when_it_validates_better(tmp_path):
     assert record.accuracy == pytest.approx(trainer.score(ARCH, personal, DataRequest()))
     choose = personal_chooser(trainer, threading.Lock())
     untrained = build_model(ARCH, 6, seed=0)
-    label, served, why = choose("v1", ARCH, DataRequest(), untrained)
+    label, _, why = choose("v1", ARCH, DataRequest(), untrained)
     g = trainer.score(ARCH, weights_of(untrained), DataRequest())
     p = trainer.score(ARCH, personal, DataRequest())
     assert p > g and label.startswith("personal:1@v1") and f"{p - g:+.4f}" in why
-    label, served, why = choose("v2", ARCH, DataRequest(), load_weights(build_model(ARCH, 6), personal))
+    label, _served, why = choose("v2", ARCH, DataRequest(), load_weights(build_model(ARCH, 6), personal))
     assert label == "v2" and "global" in why  # as good as the personal model: the approved global model is served
     trainer.close()
 

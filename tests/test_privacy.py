@@ -35,7 +35,7 @@ def _global():
 
 
 def _cfg(tmp_path, **kw):
-    base = dict(factory_id="dp-plant", train_size=96, dp=True, dp_epsilon=4.0, dp_planned_rounds=4, state_dir=str(tmp_path / "state"))
+    base = {"factory_id": "dp-plant", "train_size": 96, "dp": True, "dp_epsilon": 4.0, "dp_planned_rounds": 4, "state_dir": str(tmp_path / "state")}
     return AgentConfig(**{**base, **kw})
 
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from common.data.synth import CLASSES as DEFAULT_CLASSES
 
-__all__ = ["DEFAULT_CLASSES", "ClassListError", "parse_classes", "parse_aliases", "assign_folders", "label_map", "format_classes"]
+__all__ = ["DEFAULT_CLASSES", "ClassListError", "assign_folders", "format_classes", "label_map", "parse_aliases", "parse_classes"]
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$")
 

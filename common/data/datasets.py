@@ -120,12 +120,12 @@ def stratified_split(labels: np.ndarray, fraction: float, seed: int) -> tuple[np
     train, held = [], []
     for c in np.unique(labels):
         idx = rng.permutation(np.flatnonzero(labels == c))
-        n_held = int(round(len(idx) * fraction)) if fraction > 0 else 0
+        n_held = round(len(idx) * fraction) if fraction > 0 else 0
         if fraction > 0 and n_held == 0 and len(idx) >= 2:
             n_held = 1
         held.append(idx[:n_held])
         train.append(idx[n_held:])
-    cat = lambda parts: np.sort(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)  # noqa: E731
+    cat = lambda parts: np.sort(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
     return cat(train).astype(np.int64), cat(held).astype(np.int64)
 
 

@@ -48,7 +48,7 @@ def to_array(img: object, size: int, channels: int) -> np.ndarray:
         nw, nh = max(1, round(w * scale)), max(1, round(h * scale))
         resized = img.resize((nw, nh), Image.BILINEAR)
         mean = np.asarray(resized, dtype=np.float32).reshape(nh * nw, -1).mean(axis=0)
-        fill = int(round(float(mean[0]))) if channels == 1 else tuple(int(round(float(m))) for m in mean)
+        fill = round(float(mean[0])) if channels == 1 else tuple(round(float(m)) for m in mean)
         out = Image.new(img.mode, (size, size), fill)
         out.paste(resized, ((size - nw) // 2, (size - nh) // 2))
     array = np.asarray(out, dtype=np.float32) / 255.0

@@ -175,7 +175,7 @@ class SecureLayout:
         return cls.of(groups, int(f.get("predictions", 0)), int(f.get("classes", 0)), names(f.get("confusion")), bool(f.get("metrics", 0)))  # type: ignore[arg-type]
 
 
-def apply_group_sum(global_weights: Mapping[str, np.ndarray], weighted_delta_sum: np.ndarray, total_weight: float) -> "OrderedDict[str, np.ndarray]":
+def apply_group_sum(global_weights: Mapping[str, np.ndarray], weighted_delta_sum: np.ndarray, total_weight: float) -> OrderedDict[str, np.ndarray]:
     """The group's averaged model: global + sum(n * delta) / sum(n)."""
     if total_weight <= 0:
         raise ValueError(f"secure sum decoded a total weight of {total_weight}")

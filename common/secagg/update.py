@@ -12,7 +12,7 @@ def flatten(weights: Mapping[str, np.ndarray]) -> np.ndarray:
     return np.concatenate([np.asarray(v, dtype=np.float64).ravel() for v in weights.values()]) if weights else np.zeros(0)
 
 
-def unflatten(vector: np.ndarray, like: Mapping[str, np.ndarray]) -> "OrderedDict[str, np.ndarray]":
+def unflatten(vector: np.ndarray, like: Mapping[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
     out: OrderedDict[str, np.ndarray] = OrderedDict()
     offset = 0
     for name, ref in like.items():

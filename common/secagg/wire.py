@@ -15,7 +15,7 @@ from common.rpc.fedforge.v1 import edge_pb2
 def to_values(fields: Mapping[str, Any]) -> dict[str, edge_pb2.Value]:
     out = {}
     for key, v in fields.items():
-        if isinstance(v, bool) or isinstance(v, int):
+        if isinstance(v, (bool, int)):
             out[key] = edge_pb2.Value(int=int(v))
         elif isinstance(v, float):
             out[key] = edge_pb2.Value(real=v)

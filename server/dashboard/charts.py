@@ -14,8 +14,8 @@ def line_chart(title: str, series: dict[str, list[tuple[float, float]]], y_label
     xs = [x for x, _ in points]
     x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
     top = y_max if y_max is not None else max(max(y for _, y in points), reference or 0) * 1.1 or 1.0
-    sx = lambda x: pad_l + (x - x0) / (x1 - x0) * (width - pad_l - pad_r)  # noqa: E731
-    sy = lambda y: height - pad_b - (y / top) * (height - pad_t - pad_b)  # noqa: E731
+    sx = lambda x: pad_l + (x - x0) / (x1 - x0) * (width - pad_l - pad_r)
+    sy = lambda y: height - pad_b - (y / top) * (height - pad_t - pad_b)
     colors = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#4d7c0f", "#be185d"]
     parts = [f'<svg viewBox="0 0 {width} {height}" role="img" aria-label="{escape(title)}" data-chart="{escape(title)}">',
              f'<line x1="{pad_l}" y1="{height - pad_b}" x2="{width - pad_r}" y2="{height - pad_b}" stroke="#999"/>',

@@ -21,13 +21,13 @@ class ArtifactError(RuntimeError):
     """A weights file is missing, unreadable or does not match its sha256."""
 
 
-def encode_weights(weights: "OrderedDict[str, np.ndarray]") -> bytes:
+def encode_weights(weights: OrderedDict[str, np.ndarray]) -> bytes:
     buf = io.BytesIO()
     np.savez(buf, **weights)
     return buf.getvalue()
 
 
-def decode_weights(blob: bytes) -> "OrderedDict[str, np.ndarray]":
+def decode_weights(blob: bytes) -> OrderedDict[str, np.ndarray]:
     try:
         with np.load(io.BytesIO(blob), allow_pickle=False) as npz:
             return OrderedDict((k, npz[k]) for k in npz.files)

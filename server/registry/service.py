@@ -14,8 +14,8 @@ from sqlalchemy import create_engine, event, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import sessionmaker
 
-from server.registry.artifacts import ArtifactStore, decode_weights, encode_weights
 from common.signing import canonical, create_keypair, load_private, sign
+from server.registry.artifacts import ArtifactStore, decode_weights, encode_weights
 from server.registry.migrate import upgrade
 from server.registry.schema import Action, Evaluation, Round, Run, Version, utcnow
 
@@ -47,8 +47,7 @@ def code_version() -> str:
         v = "0+unknown"
     try:
         commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
-        ).stdout.strip()
+            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5, check=False).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
     return f"{v}+g{commit}" if commit else v
@@ -74,7 +73,7 @@ class NewVersion:
     parent_id: str | None
     kind: str
     architecture: str
-    weights: "OrderedDict[str, np.ndarray]"
+    weights: OrderedDict[str, np.ndarray]
     metrics: dict[str, Any]
     participants: list[str]
     secure_aggregation: bool = False
@@ -245,7 +244,7 @@ class Registry:
         with self.session() as s:
             return s.get(Version, version_id)
 
-    def load_weights(self, version_id: str) -> "OrderedDict[str, np.ndarray]":
+    def load_weights(self, version_id: str) -> OrderedDict[str, np.ndarray]:
         version = self.get_version(version_id)
         if version is None:
             raise KeyError(f"no version {version_id!r} in the registry")

@@ -5,7 +5,8 @@ from flwr.clientapp import ClientApp
 
 from common.data import datasets
 from common.models import build_model
-from common.training import TrainConfig, set_torch_threads, train as train_loop
+from common.training import TrainConfig, set_torch_threads
+from common.training import train as train_loop
 
 app = ClientApp()
 
