@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -144,22 +145,26 @@ class ProcessSet:
 
 
 def keep_running(procs: ProcessSet, name: str, cmd: list[str], what: str, env: dict[str, str] | None = None, cwd: Path | None = None,
-                 on_start: Callable[[subprocess.Popen], None] | None = None, max_delay: float = 30.0, stable_seconds: float = 60.0) -> None:
+                 on_start: Callable[[subprocess.Popen], None] | None = None, max_delay: float = 30.0, stable_seconds: float = 60.0,
+                 stop: threading.Event | None = None) -> None:
     """Run ``cmd`` as child ``name`` of ``procs`` and restart it whenever it exits, until interrupted (KeyboardInterrupt).
 
     The delay before a restart doubles (2, 4, ... ``max_delay`` s) while the process keeps dying young and
     starts again at 2 s after a run of ``stable_seconds``. What the dead process left behind (a SuperLink's
     ServerApp, a SuperNode's ClientApps) is stopped with it. ``fedforge server`` keeps its SuperLink
-    alive this way, ``fedforge client`` its SuperNode.
+    alive this way, ``fedforge client`` its SuperNode. With ``stop`` (run from a thread), it returns once
+    ``stop`` is set and the process has exited.
     """
     restarts = failures = 0
-    while True:
+    while stop is None or not stop.is_set():
         proc = procs.start(name, cmd, env=env, cwd=cwd)
         started = time.monotonic()
         if on_start is not None:
             on_start(proc)
         while proc.poll() is None:
             time.sleep(0.5)
+        if stop is not None and stop.is_set():
+            return
         restarts += 1
         failures = 0 if time.monotonic() - started > stable_seconds else failures + 1
         delay = min(max_delay, 2.0**failures)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,14 @@ log = logging.getLogger("fedforge.server")
 
 @click.command()
 @click.option("--workdir", default="fedforge-central", type=click.Path(file_okay=False), help="SuperLink database, registry and logs.")
-@click.option("--host", default="127.0.0.1", help="Address the SuperLink binds (0.0.0.0 to accept factories on the network).")
-@click.option("--port", default=8000, type=int, help="SuperLink port (Fleet, Control and Runtime APIs).")
+@click.option("--host", default="127.0.0.1", help="Address factories dial (0.0.0.0: every interface). Off loopback only the Fleet API is "
+              "exposed, through nginx (see --fleet-proxy).")
+@click.option("--port", default=8000, type=int, help="The port factories dial.")
+@click.option("--local-port", default=0, type=int, help="With the Fleet proxy: the SuperLink's own port on 127.0.0.1, where operators on "
+              "this host reach the Control API (default: --port + 1).")
+@click.option("--fleet-proxy", default="auto", type=click.Choice(["auto", "nginx", "none"]),
+              help="auto: nginx in front of a loopback SuperLink whenever --host is not loopback (Flower's Control API has no "
+                   "authentication); nginx: always; none: the SuperLink itself listens on --host (every API exposed).")
 @click.option("--insecure/--tls", default=True, help="Plain HTTP (loopback demos only) or TLS with --certs-dir.")
 @click.option("--certs-dir", default=None, type=click.Path(file_okay=False), help="ca.pem, server.pem, server.key from `fedforge certs`.")
 @click.option("--supernode-auth/--no-supernode-auth", default=None, help="Only registered factories may join (default: on with --tls).")
@@ -27,10 +34,13 @@ log = logging.getLogger("fedforge.server")
 @click.option("--view-token", default=None, envvar="FEDFORGE_VIEW_TOKEN", help="Token required to view the dashboard; none: open.")
 @click.option("--rounds", default=0, type=int, help="Run a federation of this many rounds and keep it going across crashes (0: only serve).")
 @click.option("--set", "overrides", multiple=True, help="Run-config key=value for --rounds (repeatable).")
-def server(workdir: str, host: str, port: int, insecure: bool, certs_dir: str | None, supernode_auth: bool | None, registry_listen: str,
-           dashboard_listen: str, admin_token: str | None, view_token: str | None, rounds: int, overrides: tuple[str, ...]) -> None:
-    """Run the central site: a Flower SuperLink with a durable database (restarted if it dies) and the model registry."""
+def server(workdir: str, host: str, port: int, local_port: int, fleet_proxy: str, insecure: bool, certs_dir: str | None,
+           supernode_auth: bool | None, registry_listen: str, dashboard_listen: str, admin_token: str | None, view_token: str | None, rounds: int,
+           overrides: tuple[str, ...]) -> None:
+    """Run the central site: a Flower SuperLink with a durable database (restarted if it dies), behind nginx when it faces
+    the network, and the model registry."""
     from common.signing import key_id
+    from server import fleet_proxy as proxy
     from server.registry.grpc_service import serve_registry
     from server.registry.service import Registry
 
@@ -46,6 +56,18 @@ def server(workdir: str, host: str, port: int, insecure: bool, certs_dir: str | 
             tls = launch.tls_files(certs_dir)
         except FileNotFoundError as exc:
             raise click.UsageError(str(exc)) from None
+    proxied = fleet_proxy == "nginx" or (fleet_proxy == "auto" and not proxy.is_loopback(host))
+    if proxied and tls is None:
+        raise click.UsageError(f"--host {host} faces the network: the Fleet proxy needs --tls --certs-dir (or --host 127.0.0.1 for a local demo)")
+    if proxied:
+        try:
+            proxy.nginx_binary()
+        except proxy.ProxyError as exc:
+            raise click.UsageError(str(exc)) from None
+    # Where the SuperLink itself listens, and how operators on this host reach its Control API.
+    link_host, link_port = ("127.0.0.1", local_port or port + 1) if proxied else (host, port)
+    local = f"{'127.0.0.1' if link_host == '0.0.0.0' else link_host}:{link_port}"
+    local_tls = tls  # behind the proxy too: Flower refuses SuperNode authentication without TLS
     auth = (not insecure) if supernode_auth is None else supernode_auth
     credentials = None
     if tls:
@@ -53,27 +75,34 @@ def server(workdir: str, host: str, port: int, insecure: bool, certs_dir: str | 
 
         credentials = grpc.ssl_server_credentials([(Path(tls["key"]).read_bytes(), Path(tls["cert"]).read_bytes())])
     registry_server = serve_registry(registry, registry_listen, credentials)[0] if registry_listen else None
+    operator_home = launch.flwr_home(root, local, insecure=local_tls is None, root_certificates=local_tls["ca"] if local_tls else None)
     dashboard = None
     if dashboard_listen:
         from server.dashboard.app import DashboardSettings, serve_dashboard
 
-        home = launch.flwr_home(root, f"{'127.0.0.1' if host == '0.0.0.0' else host}:{port}", insecure=tls is None,
-                                root_certificates=tls["ca"] if tls else None)
         d_host, _, d_port = dashboard_listen.rpartition(":")
         dashboard = serve_dashboard(DashboardSettings(root / "registry", admin_token, view_token,
-                                                      stop_run=lambda run_id: launch.stop_run(home, run_id)), d_host, int(d_port))
+                                                      stop_run=lambda run_id: launch.stop_run(operator_home, run_id)), d_host, int(d_port))
         log.info("dashboard on http://%s%s", dashboard_listen, "" if admin_token else " (read-only: no --admin-token)")
-    cmd = launch.superlink_command(root, host, port, insecure=tls is None, tls=tls, supernode_auth=auth)
+    cmd = launch.superlink_command(root, link_host, link_port, insecure=local_tls is None, tls=local_tls, supernode_auth=auth)
     supervisor = None
     if rounds > 0:
         from server.supervisor import FederationSupervisor
 
-        connect = f"{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
-        supervisor = FederationSupervisor(registry, launch.flwr_home(root, connect, insecure=tls is None, root_certificates=tls["ca"] if tls else None),
-                                          rounds, {"registry-dir": str(root / "registry"), **parse_overrides(overrides)})
+        supervisor = FederationSupervisor(registry, operator_home, rounds, {"registry-dir": str(root / "registry"), **parse_overrides(overrides)})
+    stop_proxy = threading.Event()
+
     def started(proc: Any) -> None:
-        wait_for_port(host if host != "0.0.0.0" else "127.0.0.1", port, timeout=60, proc=proc)
-        log.info("SuperLink pid %d listening on %s:%d (workdir %s)", proc.pid, host, port, root)
+        wait_for_port("127.0.0.1" if link_host == "0.0.0.0" else link_host, link_port, timeout=60, proc=proc)
+        log.info("SuperLink pid %d listening on %s (workdir %s)", proc.pid, local, root)
+        if proxied and not hasattr(started, "proxy"):
+            conf = proxy.write_config(root / "fleet-proxy", f"{host}:{port}", local, tls)  # type: ignore[arg-type]
+            started.proxy = threading.Thread(  # type: ignore[attr-defined]
+                target=keep_running, args=(procs, "fleet-proxy", proxy.nginx_command(conf), "Fleet proxy (nginx)"),
+                kwargs={"stop": stop_proxy}, daemon=True, name="fedforge-fleet-proxy")
+            started.proxy.start()  # type: ignore[attr-defined]
+            wait_for_port("127.0.0.1" if host == "0.0.0.0" else host, port, timeout=30)
+            log.info("factories dial %s:%d (nginx: the Fleet API only); operators on this host: --superlink %s", host, port, local)
         if supervisor is not None and supervisor.ident is None:
             supervisor.start()
 
@@ -83,6 +112,7 @@ def server(workdir: str, host: str, port: int, insecure: bool, certs_dir: str | 
         except KeyboardInterrupt:
             log.info("stopping the central site")
         finally:
+            stop_proxy.set()
             if supervisor is not None:
                 supervisor.stop()
             if registry_server is not None:
@@ -171,12 +201,13 @@ def factories() -> None:
 @click.option("--certs-dir", default="fedforge-certs", type=click.Path(file_okay=False), help="From `fedforge certs`.")
 @click.option("--superlink", default="127.0.0.1:8000", help="SuperLink address.")
 @click.option("--workdir", default="fedforge-central", type=click.Path(file_okay=False), help="Where the Flower CLI config is kept.")
-def factories_add(names: tuple[str, ...], certs_dir: str, superlink: str, workdir: str) -> None:
+@click.option("--insecure/--tls", default=False, help="Plain HTTP to the SuperLink (a loopback demo without certificates).")
+def factories_add(names: tuple[str, ...], certs_dir: str, superlink: str, workdir: str, insecure: bool) -> None:
     """Create (if needed) and register each factory's public key; print what to copy to the factory."""
     from server.certs import create_factory_key
 
     d = Path(certs_dir).resolve()
-    home = launch.flwr_home(Path(workdir).resolve(), superlink, insecure=False, root_certificates=str(d / "ca.pem"))
+    home = launch.flwr_home(Path(workdir).resolve(), superlink, insecure=insecure, root_certificates=None if insecure else str(d / "ca.pem"))
     for name in names:
         key, pub = d / "factories" / name, d / "factories" / f"{name}.pub"
         if not key.exists():

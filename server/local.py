@@ -62,6 +62,8 @@ class LocalFederation:
     admin_token: str = ""
     central_flags: list[str] = field(default_factory=list)  # extra `fedforge server` flags (e.g. --rounds 3)
     tls: bool = False  # TLS everywhere and SuperNode authentication (certificates made under <root>/certs)
+    fleet_proxy: bool = False  # with tls: nginx on `port` exposes only the Fleet API; the SuperLink listens on `local_port`
+    local_port: int = field(default_factory=free_port)
     architectures: list[str] = field(default_factory=list)  # per factory, cycled (e.g. cnn-small, cnn-medium); empty: the run's default
     factory_args: dict[int, list[str]] = field(default_factory=dict)  # extra flags for one factory (e.g. its own --data folder)
 
@@ -72,7 +74,13 @@ class LocalFederation:
 
     @property
     def superlink(self) -> str:
+        """What factories dial (the Fleet proxy when there is one)."""
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def operator_superlink(self) -> str:
+        """Where an operator on the central host reaches the Control API."""
+        return f"127.0.0.1:{self.local_port}" if self.fleet_proxy else self.superlink
 
     @property
     def dashboard_url(self) -> str:
@@ -93,6 +101,8 @@ class LocalFederation:
         if self.tls:
             subprocess.run(fedforge_command() + ["certs", "--dir", str(self.certs_dir)], check=True, capture_output=True)
             tls_flags = ["--tls", "--certs-dir", str(self.certs_dir)]
+            if self.fleet_proxy:
+                tls_flags += ["--fleet-proxy", "nginx", "--local-port", str(self.local_port)]
         proc = self.procs.start("central", fedforge_command() + [
             "server", "--workdir", str(self.root / "central"), "--port", str(self.port), "--registry-listen", self.registry_address,
             "--dashboard-listen", f"127.0.0.1:{self.dashboard_port}", *tls_flags, *self.central_flags,
@@ -154,14 +164,16 @@ class LocalFederation:
 
     def register(self, name: str) -> None:
         """``fedforge factories add NAME``: what an operator runs before a factory may join."""
-        proc = subprocess.run(fedforge_command() + ["factories", "add", name, "--certs-dir", str(self.certs_dir), "--superlink", self.superlink,
-                                                    "--workdir", str(self.root / "central")], capture_output=True, text=True, timeout=120, check=False)
+        proc = subprocess.run(fedforge_command() + ["factories", "add", name, "--certs-dir", str(self.certs_dir), "--superlink", self.operator_superlink,
+                                                    "--workdir", str(self.root / "central")],
+                              capture_output=True, text=True, timeout=120, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"fedforge factories add {name} failed: {proc.stdout} {proc.stderr}"[-2000:])
 
     def flwr_home(self) -> Path:
         if self.tls:
-            return launch.flwr_home(self.root / "central", self.superlink, insecure=False, root_certificates=str(self.certs_dir / "ca.pem"))
+            return launch.flwr_home(self.root / "central", self.operator_superlink, insecure=False,
+                                    root_certificates=str(self.certs_dir / "ca.pem"))
         return launch.flwr_home(self.root / "central", self.superlink)
 
     def run_config(self, rounds: int, **overrides: Any) -> dict[str, Any]:

@@ -53,9 +53,16 @@ def _compose_config(env: dict[str, str]) -> dict:
 
 def test_compose_file_validates():
     config = _compose_config({"FEDFORGE_ADMIN_TOKEN": "x"})
-    assert {"central", "factory-a", "factory-b", "factory-c", "certs", "register", "run"} <= set(config["services"])
+    assert {"central", "fleet-proxy", "factory-a", "factory-b", "factory-c", "certs", "register", "run"} <= set(config["services"])
     central = config["services"]["central"]
     assert "--tls" in central["command"] and "--supernode-auth" in central["command"] and central["restart"] == "unless-stopped"
+    # only the Fleet API faces the network: the SuperLink on loopback, nginx in its network namespace, Control API users beside it
+    assert central["command"][central["command"].index("--host") + 1] == "127.0.0.1"
+    proxy = config["services"]["fleet-proxy"]
+    assert proxy["network_mode"] == "service:central" and proxy["image"].startswith("nginx:")
+    assert any(str(v).endswith("server/fleet_proxy.conf.template:/etc/nginx/templates/default.conf.template:ro") or
+               (isinstance(v, dict) and str(v.get("source", "")).endswith("server/fleet_proxy.conf.template")) for v in proxy["volumes"])
+    assert all(config["services"][s]["network_mode"] == "service:central" for s in ("register", "run"))
     assert all("--auth-key" in config["services"][f]["command"] for f in ("factory-a", "factory-b", "factory-c"))
     assert {"central-data", "factory-a-state", "certs"} <= set(config["volumes"])
 
@@ -76,7 +83,8 @@ def test_compose_commands_run_as_local_processes(tmp_path, no_leftover_processes
 
     env = {
         "FEDFORGE_ADMIN_TOKEN": "compose-test", "CERTS_DIR": str(tmp_path / "certs"), "CENTRAL_DATA": str(tmp_path / "central"),
-        "CENTRAL_HOST": "127.0.0.1", "BIND_HOST": "127.0.0.1", "SUPERLINK_PORT": str(free_port()), "REGISTRY_PORT": str(free_port()),
+        "CENTRAL_HOST": "127.0.0.1", "BIND_HOST": "127.0.0.1", "SUPERLINK_PORT": str(free_port()), "SUPERLINK_LOCAL_PORT": str(free_port()),
+        "REGISTRY_PORT": str(free_port()),
         "DASHBOARD_PORT": str(free_port()), "REGISTER_HOME": str(tmp_path / "register"), "RUN_HOME": str(tmp_path / "run"), "ROUNDS": "2",
         "ROUND_TIMEOUT": "30.0",
     }
@@ -95,11 +103,24 @@ def test_compose_commands_run_as_local_processes(tmp_path, no_leftover_processes
         assert proc.returncode == 0, f"{name}: {proc.stdout[-1500:]} {proc.stderr[-1500:]}"
         return proc.stdout
 
+    def fleet_proxy() -> list[str]:
+        """The fleet-proxy service: nginx with the template the image's envsubst would render from its environment."""
+        from server import fleet_proxy as proxy
+
+        values = {k: str(v) for k, v in services["fleet-proxy"]["environment"].items()}
+        block = proxy.render_server_block(values)
+        run_dir = tmp_path / "fleet-proxy"
+        run_dir.mkdir()
+        (run_dir / "nginx.conf").write_text(proxy.nginx_conf(block, run_dir))
+        return proxy.nginx_command(run_dir / "nginx.conf")
+
     with ProcessSet(tmp_path / "logs") as procs:
         once("certs")
         cmd, svc_env = command("central")
         central = procs.start("central", cmd, env=svc_env)
-        wait_for_port("127.0.0.1", int(env["SUPERLINK_PORT"]), 90, central)
+        wait_for_port("127.0.0.1", int(env["SUPERLINK_LOCAL_PORT"]), 90, central)
+        nginx = procs.start("fleet-proxy", fleet_proxy())
+        wait_for_port("127.0.0.1", int(env["SUPERLINK_PORT"]), 30, nginx)
         once("register")
         for f in ("a", "b", "c"):
             cmd, svc_env = command(f"factory-{f}")
