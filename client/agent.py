@@ -49,7 +49,7 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
         self.trainer = trainer
         self.serving_description: Any = None  # set when the agent serves Inspection: which model, and why
         self.after_round: Any = None  # set when the agent serves Inspection: re-choose global vs personal
-        self.sessions = SecAggSessions()
+        self.sessions = SecAggSessions(trainer.cfg.secagg_policy())
         self.proxies = ProxyCache(Path(trainer.cfg.state_dir) / "proxy")
         self._lock = threading.Lock()
 
@@ -58,6 +58,7 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
             config = _config(request.config)
             self._check_architecture(config)
             secure = from_values(request.secagg) if request.secagg else None
+            self._require_secure(secure, "train")
             session = self.sessions.get(secure["session"].encode()) if secure else None  # before training: fail fast
             proxy = self._proxy_for(config)  # likewise: a distillation round needs the proxy set already here
             send_weights = bool(config.get("send-weights", True))
@@ -92,6 +93,12 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
             masked = session.mask(encoded, list(secure["alive"]))
             shared = {**metrics, **self._own(local)} if self.trainer.cfg.share_metrics else {}
             return edge_pb2.TrainReply(factory_id=factory_id, masked=to_tensor("masked", masked), metrics={**local.privacy, **shared})
+
+    def _require_secure(self, secure: dict[str, Any] | None, what: str) -> None:
+        """A factory that requires secure aggregation answers only inside a secure sum, whatever the server asks."""
+        if secure is None and self.trainer.cfg.require_secure_aggregation:
+            raise PolicyRefusal(f"factory {self.trainer.cfg.factory_id} requires secure aggregation: a {what} request without it is refused "
+                                f"(its answer would leave in plaintext); start the factory with --no-require-secure-aggregation to allow it")
 
     def _own(self, local: LocalRound) -> dict[str, float]:
         """This factory's own figures on its held-out split: sent only with --share-metrics."""
@@ -145,6 +152,7 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
             config = _config(request.config)
             self._check_architecture(config)
             secure = from_values(request.secagg) if request.secagg else None
+            self._require_secure(secure, "evaluate")
             session = self.sessions.get(secure["session"].encode()) if secure else None
             result = self.trainer.evaluate(from_tensors(request.weights), config)
             factory_id = self.trainer.cfg.factory_id
@@ -188,6 +196,10 @@ def _classes(config: dict[str, Any]) -> tuple[str, ...]:
     return DataRequest.from_config(config).classes
 
 
+class PolicyRefusal(RuntimeError):
+    """The request breaks this factory's own policy (e.g. plaintext while it requires secure aggregation)."""
+
+
 class _status_on_error:
     """Turn exceptions into gRPC status codes that name the problem (never a bare INTERNAL crash).
 
@@ -206,7 +218,7 @@ class _status_on_error:
         if isinstance(exc, WorkerGroupError):
             log.error("%s failed: %s", self.what, exc)
             self.context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.what} failed: {exc}")
-        if isinstance(exc, (BudgetExhausted, DPConfigError)):
+        if isinstance(exc, (BudgetExhausted, DPConfigError, PolicyRefusal)):
             log.warning("%s refused: %s", self.what, exc)
             self.context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         if isinstance(exc, (UpdateError, SecAggProtocolError, ProxySetError, DatasetError, KeyError, ValueError)):

@@ -29,6 +29,12 @@ def agent_options(f):  # type: ignore[no-untyped-def]
                      "streamed from disk batch by batch."),
         click.option("--share-metrics/--no-share-metrics", default=False, help="Send this factory's own figures (held-out accuracy, loss) "
                      "to the central site; without it only federation-wide sums leave the factory."),
+        click.option("--require-secure-aggregation/--no-require-secure-aggregation", default=True,
+                     help="Refuse every request whose answer would leave this factory in plaintext (weights, predictions, figures): "
+                          "only masked contributions to a secure sum leave it."),
+        click.option("--secagg-min-cohort", default=3, type=click.IntRange(3), help="Refuse secure-aggregation sessions with fewer share holders."),
+        click.option("--secagg-colluders", default=0, type=click.IntRange(0), help="Colluding factories to tolerate: a session's threshold must "
+                     "exceed half its size plus this."),
         click.option("--personalize/--no-personalize", default=True, help="Keep the global model fine-tuned on this factory's images; "
                      "Inspection serves it when it scores better on the held-out split."),
         click.option("--factory-index", default=0, type=int, help="Synthetic data: which partition this factory holds."),

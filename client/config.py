@@ -34,6 +34,9 @@ class AgentConfig:
     local_world_size: int = 1  # ranks of the DDP/FSDP worker group
     state_dir: str = "fedforge-factory"  # durable factory state (privacy ledger, feature cache, pulled models)
     share_metrics: bool = False  # send this factory's own figures to the centre (else only federation-wide sums)
+    require_secure_aggregation: bool = False  # refuse every request whose answer would leave in plaintext (`fedforge client`: on)
+    secagg_min_cohort: int = 3  # refuse secure-aggregation sessions with fewer share holders
+    secagg_colluders: int = 0  # tolerated colluding factories: a session's threshold must exceed half its size plus this
     personalize: bool = True  # keep a locally fine-tuned model; inspection serves it when it validates better
     registry: str = ""  # the central ModelRegistry (host:port); with it, the agent serves Inspection
     registry_public_key: str = ""  # the central site's pinned signing.pub
@@ -49,6 +52,7 @@ class AgentConfig:
 
     def validated(self) -> AgentConfig:
         self.privacy_budget()  # raises ValueError naming the bad --dp-* option
+        self.secagg_policy()  # and the bad --secagg-* option
         from common.data.classes import parse_aliases, parse_classes
 
         classes = parse_classes(self.classes)
@@ -56,6 +60,11 @@ class AgentConfig:
         if unknown := sorted({c for c in aliases.values() if c not in classes}):
             raise ValueError(f"--class-alias targets {unknown} are not in --classes {list(classes)}")
         return self
+
+    def secagg_policy(self):  # type: ignore[no-untyped-def]
+        from client.secagg import SecAggPolicy
+
+        return SecAggPolicy(self.secagg_min_cohort, self.secagg_colluders)
 
     def privacy_budget(self):  # type: ignore[no-untyped-def]
         from client.privacy import PrivacyBudget

@@ -1,8 +1,20 @@
 """The factory's side of a SecAgg+ session: keys, shares, the masked input, and the unmask answer.
 
 Secrets (the mask private key and the self-mask seed) never leave the agent except as Shamir shares
-sealed to individual neighbours. The answer to the unmask request is checked so that the server can
-never obtain both the self-mask seed and the mask key of the same factory (which would unmask it).
+sealed to individual neighbours. The server is not trusted to run the protocol honestly: every check
+below is the factory's own, from its own configuration (`SecAggPolicy`), never from what the server
+sends, and a request that breaks one is refused (`SecAggProtocolError`) before anything is revealed:
+
+- the session must have at least ``min_cohort`` share holders, and its threshold t must be above half
+  of them plus the tolerated colluders (t > n/2 + c): then no two disjoint groups of honest factories can
+  each hand over t shares, so the server cannot collect both secrets of one factory by telling
+  different factories different survivor sets (the split-view attack), and c colluders do not change it;
+- a neighbour whose public keys are malformed or of low order is treated as dropped, never a crash;
+- the factory masks once per session, and only when the neighbours it is told are alive, plus itself,
+  reach the threshold (so its masked input never carries only its self mask);
+- it answers the unmask request once, only after masking, and only if the survivors are a subset of the
+  set it masked with (and at least t of them), the dropped factories are among the neighbours it masked
+  with, and the two sets are disjoint.
 """
 
 from __future__ import annotations
@@ -17,11 +29,13 @@ from common.secagg.primitives import (
     ShareBoxError,
     SharePair,
     agree,
+    check_public_key,
     expand_mask,
     new_keypair,
     open_box,
     private_bytes,
     seal,
+    seed_commitment,
     self_mask_seed,
     share_secret,
 )
@@ -33,14 +47,36 @@ class SecAggProtocolError(ValueError):
     """A request that an honest server would never send (e.g. asks to unmask one factory twice over)."""
 
 
+@dataclass(frozen=True)
+class SecAggPolicy:
+    """The factory's own limits on any session it takes part in (`fedforge client --secagg-*`)."""
+
+    min_cohort: int = 3  # share holders (neighbours + itself) below this: refused
+    colluders: int = 0  # tolerated colluding factories: the threshold must exceed n/2 + colluders
+
+    def __post_init__(self) -> None:
+        if self.min_cohort < 3 or self.colluders < 0:
+            raise ValueError(f"--secagg-min-cohort must be >= 3 and --secagg-colluders >= 0, got {self.min_cohort}, {self.colluders}")
+
+    def check(self, threshold: int, holders: int) -> None:
+        if holders < self.min_cohort:
+            raise SecAggProtocolError(f"a session of {holders} share holders is below this factory's minimum cohort of {self.min_cohort}")
+        if not threshold > holders / 2 + self.colluders:
+            raise SecAggProtocolError(f"threshold {threshold} is not above half of the {holders} share holders plus {self.colluders} tolerated "
+                                      f"colluders: a server could collect both secrets of one factory")
+
+
 @dataclass
 class SecAggClient:
     session: bytes
     slot: int
     threshold: int
+    policy: SecAggPolicy = field(default_factory=SecAggPolicy)
     created: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
+        if self.threshold < 2:
+            raise SecAggProtocolError(f"threshold {self.threshold}: with t < 2 every Shamir share is the secret itself")
         self._enc_sk, self._enc_pk = new_keypair()
         self._mask_sk, self._mask_pk = new_keypair()
         self._seed = self_mask_seed()
@@ -48,25 +84,37 @@ class SecAggClient:
         self.mask_pks: dict[int, bytes] = {}
         self.enc_pks: dict[int, bytes] = {}
         self.received: dict[int, SharePair] = {}  # sender slot -> the shares it gave us
-        self.rejected: dict[int, str] = {}  # sender slot -> why its box was refused
-        self.masked_with: list[int] = []
+        self.rejected: dict[int, str] = {}  # sender slot -> why its box (or keys) were refused
+        self.masked_with: list[int] | None = None  # None until the masked input was made (once per session)
         self.answered_unmask = False
 
     # stage 1 -------------------------------------------------------------------------------
     def advertise(self) -> dict[str, bytes]:
-        return {"enc-pk": self._enc_pk, "mask-pk": self._mask_pk}
+        """Public keys, and a commitment to the self-mask seed (the server checks the seed it recovers against it)."""
+        return {"enc-pk": self._enc_pk, "mask-pk": self._mask_pk, "seed-commit": seed_commitment(self._seed, self.session, self.slot)}
 
     # stage 2 -------------------------------------------------------------------------------
     def share_keys(self, neighbors: list[int], enc_pks: list[bytes], mask_pks: list[bytes]) -> dict[int, bytes]:
         """Shamir-share the mask key and self-mask seed among the neighbours (and self); seal each share."""
-        if self.slot in neighbors or len(set(neighbors)) != len(neighbors):
-            raise SecAggProtocolError("the neighbour list must not contain this factory or duplicates")
-        holders = sorted([*neighbors, self.slot])
-        if self.threshold > len(holders):
-            raise SecAggProtocolError(f"threshold {self.threshold} exceeds the {len(holders)} share holders")
-        self.neighbors = sorted(neighbors)
-        self.enc_pks = dict(zip(neighbors, enc_pks))
-        self.mask_pks = dict(zip(neighbors, mask_pks))
+        if self.neighbors:
+            raise SecAggProtocolError("this session's keys were already shared")
+        if self.slot in neighbors or len(set(neighbors)) != len(neighbors) or not (len(neighbors) == len(enc_pks) == len(mask_pks)):
+            raise SecAggProtocolError("the neighbour list must not contain this factory or duplicates, and have one key pair each")
+        usable = []
+        for v, enc, mask in zip(neighbors, enc_pks, mask_pks):
+            try:
+                check_public_key(enc)
+                check_public_key(mask)
+            except ValueError as exc:
+                self.rejected[v] = f"unusable public keys: {exc}"
+                log.warning("secagg %s: slot %d advertised unusable keys (%s); treating it as dropped", self.session.decode(), v, exc)
+                continue
+            usable.append((v, enc, mask))
+        holders = sorted([v for v, _, _ in usable] + [self.slot])
+        self.policy.check(self.threshold, len(holders))
+        self.neighbors = sorted(v for v, _, _ in usable)
+        self.enc_pks = {v: enc for v, enc, _ in usable}
+        self.mask_pks = {v: mask for v, _, mask in usable}
         key_shares = share_secret(private_bytes(self._mask_sk), self.threshold, len(holders))
         seed_shares = share_secret(self._seed, self.threshold, len(holders))
         boxes = {}
@@ -86,23 +134,30 @@ class SecAggClient:
             if sender not in self.enc_pks:
                 self.rejected[sender] = "not a neighbour"
                 continue
-            key = agree(self._enc_sk, self.enc_pks[sender], b"enc", self.session, self.slot, sender)
             try:
-                self.received[sender] = open_box(box, key, self.session, sender, self.slot)
-            except ShareBoxError as exc:
+                key = agree(self._enc_sk, self.enc_pks[sender], b"enc", self.session, self.slot, sender)
+                self.received[sender] = open_box(bytes(box), key, self.session, sender, self.slot)
+            except (ShareBoxError, ValueError, TypeError) as exc:
                 self.rejected[sender] = str(exc)
                 log.warning("secagg %s: %s; treating slot %d as dropped for this pair", self.session.decode(), exc, sender)
 
     def mask(self, encoded: np.ndarray, alive: list[int]) -> np.ndarray:
-        """Add the self mask and the signed pairwise masks with neighbours still in the session."""
+        """Add the self mask and the signed pairwise masks with neighbours still in the session (once per session)."""
         if encoded.dtype != np.uint64:
             raise TypeError("mask() takes a fixed-point uint64 vector")
+        if self.masked_with is not None:
+            raise SecAggProtocolError("this session's masked input was already made: masking twice would reveal the difference of two inputs")
+        if not self.neighbors:
+            raise SecAggProtocolError("keys were never shared in this session")
+        masked_with = [v for v in self.neighbors if v in set(alive)]
+        if len(masked_with) + 1 < self.threshold:
+            raise SecAggProtocolError(f"told to mask with {len(masked_with)} neighbours: with itself that is below the threshold {self.threshold}")
         n = len(encoded)
         masked = encoded + expand_mask(self._seed, n)
-        self.masked_with = [v for v in self.neighbors if v in set(alive)]
-        for v in self.masked_with:
+        for v in masked_with:
             pair_mask = expand_mask(agree(self._mask_sk, self.mask_pks[v], b"mask", self.session, self.slot, v), n)
             masked = masked + pair_mask if self.slot < v else masked - pair_mask
+        self.masked_with = masked_with
         return masked
 
     # stage 4 -------------------------------------------------------------------------------
@@ -110,16 +165,21 @@ class SecAggClient:
         """Seed shares of survivors and mask-key shares of dropped factories, never both for one factory."""
         if self.answered_unmask:
             raise SecAggProtocolError("this session's unmask request was already answered")
+        if self.masked_with is None:
+            raise SecAggProtocolError("asked to unmask before this factory made its masked input")
         s, d = set(survivors), set(dropped)
         if s & d:
             raise SecAggProtocolError(f"slots {sorted(s & d)} are claimed both to have survived and to have dropped")
         if self.slot not in s:
             raise SecAggProtocolError("asked to unmask a session this factory is told it dropped out of")
-        if len(s) < self.threshold:
-            raise SecAggProtocolError(f"only {len(s)} survivors, below the threshold {self.threshold}")
-        unknown = (d - set(self.neighbors))
-        if unknown:
-            raise SecAggProtocolError(f"slots {sorted(unknown)} are not neighbours of this factory")
+        neighbours = set(self.neighbors)
+        if len((s & neighbours) | {self.slot}) < self.threshold:
+            raise SecAggProtocolError(f"only {len((s & neighbours) | {self.slot})} survivors in this factory's neighbourhood, below the "
+                                      f"threshold {self.threshold}")
+        if outside := sorted((s & neighbours) - set(self.masked_with)):
+            raise SecAggProtocolError(f"slots {outside} are called survivors but this factory did not mask with them")
+        if unknown := sorted(d - set(self.masked_with)):
+            raise SecAggProtocolError(f"slots {unknown} are called dropped but this factory did not mask with them")
         self.answered_unmask = True
         seeds = {u: (p.share_index, p.seed_share) for u, p in self.received.items() if u in s}
         keys = {u: (p.share_index, p.mask_key_share) for u, p in self.received.items() if u in d}
@@ -129,7 +189,8 @@ class SecAggClient:
 class SecAggSessions:
     """The agent's open sessions, by session id; old ones expire so secrets do not linger."""
 
-    def __init__(self, ttl_seconds: float = 3600.0) -> None:
+    def __init__(self, policy: SecAggPolicy | None = None, ttl_seconds: float = 3600.0) -> None:
+        self.policy = policy or SecAggPolicy()
         self.ttl = ttl_seconds
         self._sessions: dict[bytes, SecAggClient] = {}
 
@@ -137,7 +198,7 @@ class SecAggSessions:
         self._expire()
         if session in self._sessions:
             raise SecAggProtocolError(f"session {session.decode()} already started: a replayed setup is refused")
-        client = self._sessions[session] = SecAggClient(session, slot, threshold)
+        client = self._sessions[session] = SecAggClient(session, slot, threshold, self.policy)
         return client
 
     def get(self, session: bytes) -> SecAggClient:
@@ -153,4 +214,3 @@ class SecAggSessions:
 
     def __len__(self) -> int:
         return len(self._sessions)
-

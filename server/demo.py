@@ -86,6 +86,8 @@ def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str
     with ProcessSet(root / "logs") as procs:
         flags = ["--dp", "--dp-epsilon", str(epsilon), "--dp-planned-rounds", str(rounds)] if dp else []
         flags += ["--parallelism", parallelism, "--local-world-size", str(local_world_size)]
+        if not secure:  # the factories must agree to answer in plaintext: they require secure aggregation by default
+            flags.append("--no-require-secure-aggregation")
         admin_token = admin_token or secrets.token_urlsafe(16)
         fed = LocalFederation(root, procs, num_factories=factories, seed=seed, alpha=alpha, train_size=train_size, factory_flags=flags,
                               dashboard_port=dashboard_port, admin_token=admin_token, architectures=archs)

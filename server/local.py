@@ -66,6 +66,7 @@ class LocalFederation:
     local_port: int = field(default_factory=free_port)
     architectures: list[str] = field(default_factory=list)  # per factory, cycled (e.g. cnn-small, cnn-medium); empty: the run's default
     factory_args: dict[int, list[str]] = field(default_factory=dict)  # extra flags for one factory (e.g. its own --data folder)
+    secure: bool = True  # secure aggregation (factories require it); False: plain rounds, factories allow plaintext answers
 
     @property
     def certs_dir(self) -> Path:
@@ -113,6 +114,7 @@ class LocalFederation:
         return ["--factory-index", str(index), "--num-factories", str(self.num_factories), "--data-seed", str(self.seed),
                 "--alpha", str(self.alpha), "--train-size", str(self.train_size),
                 "--state-dir", str(self.root / f"factory-{index}" / "state"), *self.architecture_flags(index), *self.factory_flags,
+                *([] if self.secure else ["--no-require-secure-aggregation"]),
                 *self.factory_args.get(index, [])]
 
     def architecture_flags(self, index: int) -> list[str]:
@@ -180,7 +182,7 @@ class LocalFederation:
         return {
             "num-server-rounds": rounds, "min-factories": max(1, self.num_factories - 1), "expected-factories": self.num_factories,
             "seed": self.seed, "data-seed": self.seed, "num-factories": self.num_factories, "alpha": self.alpha,
-            "registry-dir": str(self.registry_dir), **overrides,
+            "registry-dir": str(self.registry_dir), **({} if self.secure else {"secure-aggregation": False}), **overrides,
         }
 
     def submit(self, run_config: dict[str, Any]) -> str:

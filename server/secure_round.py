@@ -174,11 +174,7 @@ class SecureRounds:
                     self._pipelined = ahead.finish(_ahead_fields(replies))
                 except SecAggAborted as exc:
                     log.info("round %d: the next phase will exchange its own keys: %s", plan.server_round, exc)
-            answers = {slot_of[node]: dict(r.content["secagg"]) for node, r in replies.items()}
-            total = secure.result({slot: (
-                {u: (i, s) for u, i, s in zip(r["seed-slots"], r["seed-index"], r["seed-shares"])},
-                {u: (i, s) for u, i, s in zip(r["key-slots"], r["key-index"], r["key-shares"])},
-            ) for slot, r in answers.items()})
+            total = secure.result(_unmask_answers({slot_of[node]: r for node, r in replies.items()}, failures, m, node_of))
         except SecAggAborted as exc:
             raise RoundAborted(str(exc), failures, []) from exc
         received = sum(masked_inputs[node_of[s]].nbytes for s in survivors)
@@ -237,6 +233,22 @@ class SecureRounds:
     def forget(self) -> None:
         """Drop the prepared session (after an aborted round the next one keys afresh)."""
         self._pipelined = None
+
+
+def _unmask_answers(replies: dict[int, Message], failures: dict[str, str], messenger: Messenger, node_of: dict[int, int]) -> dict[int, Any]:
+    """Each responder's (seed shares, key shares) by slot; a malformed answer is a non-answer, noted by factory name."""
+    out = {}
+    for slot, reply in replies.items():
+        try:
+            r = dict(reply.content["secagg"])
+            columns = [r["seed-slots"], r["seed-index"], r["seed-shares"], r["key-slots"], r["key-index"], r["key-shares"]]
+            if len(columns[0]) != len(columns[1]) or len(columns[1]) != len(columns[2]) or len(columns[3]) != len(columns[4]) or \
+                    len(columns[4]) != len(columns[5]):
+                raise ValueError("share columns of different lengths")
+            out[slot] = ({int(u): (i, s) for u, i, s in zip(*columns[:3])}, {int(u): (i, s) for u, i, s in zip(*columns[3:])})
+        except (KeyError, TypeError, ValueError) as exc:
+            failures[messenger.name(node_of[slot])] = f"malformed unmask answer: {exc}"
+    return out
 
 
 def _ahead_fields(replies: dict[int, Message]) -> dict[int, dict[str, Any]]:

@@ -8,16 +8,26 @@ opaque ciphertexts to it (sealed between factories with keys it does not have).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
 
-from common.secagg.primitives import X25519PrivateKey, agree, expand_mask, recover_secret
+from common.secagg.primitives import X25519PrivateKey, agree, check_public_key, expand_mask, public_bytes, recover_secret, seed_commitment
 
 log = logging.getLogger("fedforge.server.secagg")
+
+
+MAX_SHARE_SUBSETS = 64  # subsets of t shares tried before a forged share makes a secret unrecoverable
+
+
+def _well_formed(share: object) -> bool:
+    return (isinstance(share, tuple) and len(share) == 2 and isinstance(share[0], int) and 0 < share[0] < 2**31
+            and isinstance(share[1], bytes) and len(share[1]) == 32)
 
 
 class SecAggAborted(RuntimeError):
@@ -55,6 +65,7 @@ class SecureSum:
     length: int = 0
     enc_pks: dict[int, bytes] = field(default_factory=dict)
     mask_pks: dict[int, bytes] = field(default_factory=dict)
+    seed_commits: dict[int, bytes] = field(default_factory=dict)  # what each recovered self-mask seed must hash to
     graph: dict[int, list[int]] = field(default_factory=dict)
     boxes: dict[int, dict[int, bytes]] = field(default_factory=dict)  # receiver -> sender -> box
     u2: list[int] = field(default_factory=list)
@@ -70,13 +81,22 @@ class SecureSum:
             raise SecAggAborted(f"secure aggregation aborted at {stage}: {len(alive)} factories left, threshold {self.threshold}")
 
     # stage 1 -> 2 -----------------------------------------------------------------------------
-    def add_public_keys(self, keys: dict[int, tuple[bytes, bytes]]) -> dict[int, tuple[list[int], list[bytes], list[bytes]]]:
-        """Record (enc, mask) public keys; return for each live factory its neighbours and their keys."""
-        for slot, (enc, mask) in keys.items():
-            if len(enc) != 32 or len(mask) != 32:
-                log.warning("slot %d advertised malformed public keys; dropped", slot)
+    def add_public_keys(self, keys: dict[int, dict[str, object]]) -> dict[int, tuple[list[int], list[bytes], list[bytes]]]:
+        """Record each slot's public keys and seed commitment; return for each live factory its neighbours and their keys.
+
+        Malformed or low-order keys, or a missing commitment, leave that slot out of the session (a dropout).
+        """
+        for slot, advertised in keys.items():
+            enc, mask, commit = advertised.get("enc-pk"), advertised.get("mask-pk"), advertised.get("seed-commit")
+            try:
+                check_public_key(enc)  # type: ignore[arg-type]
+                check_public_key(mask)  # type: ignore[arg-type]
+                if not isinstance(commit, bytes) or len(commit) != 32:
+                    raise ValueError("no 32-byte seed commitment")
+            except ValueError as exc:
+                log.warning("slot %d advertised unusable keys (%s); it is left out of the session", slot, exc)
                 continue
-            self.enc_pks[slot], self.mask_pks[slot] = enc, mask
+            self.enc_pks[slot], self.mask_pks[slot], self.seed_commits[slot] = enc, mask, commit  # type: ignore[assignment]
         u1 = sorted(self.enc_pks)
         self._require(u1, "key advertisement")
         degree = min(self.degree, len(u1) - 1)
@@ -116,17 +136,25 @@ class SecureSum:
 
     # stage 4 -----------------------------------------------------------------------------------
     def result(self, answers: dict[int, tuple[dict[int, tuple[int, bytes]], dict[int, tuple[int, bytes]]]]) -> np.ndarray:
-        """Remove every mask from the sum of masked inputs; returns sum_{u in U3} x_u in Z_{2^64}."""
+        """Remove every mask from the sum of masked inputs; returns sum_{u in U3} x_u in Z_{2^64}.
+
+        Every recovered secret is checked before it is used: a self-mask seed against the commitment its
+        owner advertised, a mask key against its advertised public key. A forged or malformed share is
+        outvoted by other subsets of the shares when there are enough; it never silently corrupts the sum.
+        """
         survivors, dropped = self.unmask_request()
         responders = sorted(u for u in answers if u in set(survivors))
         self._require(responders, "unmasking")
         assert self._masked_total is not None
         total = self._masked_total.copy()
         for u in survivors:
-            seed = self._recover(u, [answers[r][0].get(u) for r in responders], "self-mask seed")
+            seed = self._recover(u, [answers[r][0].get(u) for r in responders], "self-mask seed",
+                                 lambda secret, u=u: seed_commitment(secret, self.session, u) == self.seed_commits.get(u))
             total -= expand_mask(seed, self.length)
         for d in dropped:
-            key = X25519PrivateKey.from_private_bytes(self._recover(d, [answers[r][1].get(d) for r in responders], "mask key"))
+            secret = self._recover(d, [answers[r][1].get(d) for r in responders], "mask key",
+                                   lambda secret, d=d: public_bytes(X25519PrivateKey.from_private_bytes(secret)) == self.mask_pks[d])
+            key = X25519PrivateKey.from_private_bytes(secret)
             for u in self.graph[d]:
                 if u in set(survivors):
                     pair_mask = expand_mask(agree(key, self.mask_pks[u], b"mask", self.session, d, u), self.length)
@@ -134,11 +162,19 @@ class SecureSum:
                     total = total - pair_mask if u < d else total + pair_mask
         return total
 
-    def _recover(self, slot: int, shares: list[tuple[int, bytes] | None], what: str) -> bytes:
-        usable = [s for s in shares if s is not None]
+    def _recover(self, slot: int, shares: list[tuple[int, bytes] | None], what: str, valid: Callable[[bytes], bool]) -> bytes:
+        usable = [(int(i), s) for share in shares if share is not None and _well_formed(share) for i, s in [share]]
         if len(usable) < self.threshold:
-            raise SecAggAborted(f"only {len(usable)} shares of the {what} of slot {slot} returned, threshold {self.threshold}")
-        return recover_secret(usable[: self.threshold])
+            raise SecAggAborted(f"only {len(usable)} well-formed shares of the {what} of slot {slot} returned, threshold {self.threshold}")
+        for combo in itertools.islice(itertools.combinations(usable, self.threshold), MAX_SHARE_SUBSETS):
+            try:
+                secret = recover_secret(list(combo))
+            except (ValueError, TypeError):
+                continue
+            if valid(secret):
+                return secret
+        raise SecAggAborted(f"no {self.threshold} of the {len(usable)} shares of the {what} of slot {slot} reproduce what it advertised: "
+                            f"forged shares; nothing was unmasked")
 
 
 @dataclass
@@ -192,8 +228,7 @@ class KeyExchange(SessionMembers):
     def add_public_keys(self, answers: dict[int, dict[str, object]]) -> None:
         """Record the keys that came back and plan the share stage."""
         slot_of = self.slot_of
-        self.plan = self.secure.add_public_keys({slot_of[n]: (a["enc-pk"], a["mask-pk"]) for n, a in answers.items()  # type: ignore[misc]
-                                                 if n in slot_of and "enc-pk" in a and "mask-pk" in a})
+        self.plan = self.secure.add_public_keys({slot_of[n]: a for n, a in answers.items() if n in slot_of})
 
     def share_request(self, node: int) -> dict[str, object] | None:
         """The share request for ``node``, or None if it did not advertise keys."""

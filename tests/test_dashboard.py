@@ -27,7 +27,7 @@ def registry_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("dash")
     proc = subprocess.run(
         [sys.executable, "-m", "common.cli", "demo", "--factories", "2", "--rounds", "2", "--train-size", "200", "--local-epochs", "1",
-         "--dp", "--epsilon", "8", "--min-factories", "2", "--workdir", str(root), "--json", str(root / "summary.json")],
+         "--dp", "--epsilon", "8", "--min-factories", "2", "--no-secure", "--workdir", str(root), "--json", str(root / "summary.json")],
         capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return root / "central" / "registry"
@@ -207,7 +207,7 @@ def test_stop_run_from_the_dashboard(tmp_path, no_leftover_processes):
     from server.local import LocalFederation, wait_for_run
 
     with ProcessSet(tmp_path / "logs") as procs:
-        fed = LocalFederation(tmp_path, procs, num_factories=2, train_size=200, admin_token=ADMIN)
+        fed = LocalFederation(tmp_path, procs, num_factories=2, train_size=200, admin_token=ADMIN, secure=False)
         fed.start()
         run_id = "run-" + fed.submit(fed.run_config(20, **{"local-epochs": 1, "min-factories": 2}))
         registry = Registry.at(fed.registry_dir)

@@ -216,7 +216,7 @@ def test_secure_distillation_server_sees_only_sums_and_survives_a_dropout(tmp_pa
     recorded: dict[str, list] = {"server-saw": []}
     drops = lambda msg, factory_id: msg.metadata.message_type == "train" and factory_id == "factory-2"  # out of the prediction phase
     grid = ScriptedGrid({i + 1: agent_node(agent, recorded, drops) for i, agent in enumerate(agents)})
-    fed = Federation(grid, _config(tmp_path, distill="after", secagg_threshold=2, local_epochs=1, round_timeout=20), flwr_run_id="23")
+    fed = Federation(grid, _config(tmp_path, distill="after", secagg_threshold=3, local_epochs=1, round_timeout=20), flwr_run_id="23")
     fed.run()
 
     registry = Registry.at(tmp_path / "registry")
@@ -248,7 +248,7 @@ def test_secure_distillation_server_sees_only_sums_and_survives_a_dropout(tmp_pa
 def test_secure_distillation_only_rounds_send_predictions_and_no_weights(tmp_path, agents):
     recorded: dict[str, list] = {"server-saw": []}
     grid = ScriptedGrid({i + 1: agent_node(agent, recorded) for i, agent in enumerate(agents)})
-    fed = Federation(grid, _config(tmp_path, distill="only", secagg_threshold=2, local_epochs=1, round_timeout=60), flwr_run_id="24")
+    fed = Federation(grid, _config(tmp_path, distill="only", secagg_threshold=3, local_epochs=1, round_timeout=60), flwr_run_id="24")
     fed.run()
     (round1,) = Registry.at(tmp_path / "registry").rounds("run-24")
     assert round1.status in ("completed", "aborted") and not round1.failures, round1.failures  # aborted: both distillations dropped

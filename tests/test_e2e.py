@@ -87,7 +87,7 @@ def test_demo_with_dp_and_ddp(tmp_path, no_leftover_processes):
     summary_path = tmp_path / "summary.json"
     proc = subprocess.run(
         [sys.executable, "-m", "common.cli", "demo", "--factories", "2", "--rounds", "2", "--local-epochs", "1", "--train-size", "200",
-         "--dp", "--epsilon", "8", "--parallelism", "ddp", "--local-world-size", "2", "--min-factories", "2",
+         "--dp", "--epsilon", "8", "--parallelism", "ddp", "--local-world-size", "2", "--min-factories", "2", "--no-secure",
          "--architecture", "cnn-small", "--set", "personal-epochs=0",  # DDP trains from-scratch CNNs (a frozen backbone's head trains in-process)
          "--workdir", str(tmp_path / "demo"), "--json", str(summary_path)],
         capture_output=True, text=True, timeout=600, check=False)

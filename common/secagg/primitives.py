@@ -44,6 +44,26 @@ def private_bytes(private: X25519PrivateKey) -> bytes:
     return private.private_bytes_raw()
 
 
+def check_public_key(public: bytes) -> None:
+    """Raise ValueError unless ``public`` is a 32-byte X25519 key that yields a non-zero shared secret.
+
+    A low-order point (e.g. all zeros) would make every agreement with it the all-zero secret, so
+    masks and boxes keyed by it would be known to everyone; ``cryptography`` refuses the exchange.
+    """
+    if not isinstance(public, bytes) or len(public) != 32:
+        raise ValueError(f"an X25519 public key is 32 bytes, got {len(public) if isinstance(public, bytes) else type(public).__name__}")
+    X25519PrivateKey.generate().exchange(X25519PublicKey.from_public_bytes(public))
+
+
+def seed_commitment(seed: bytes, session: bytes, slot: int) -> bytes:
+    """SHA-256 commitment to a self-mask seed, bound to its session and slot (advertised with the public keys)."""
+    from cryptography.hazmat.primitives.hashes import Hash
+
+    h = Hash(hashes.SHA256())
+    h.update(PROTOCOL + b"/seed/" + session + struct.pack(">I", slot) + seed)
+    return h.finalize()
+
+
 def _context(purpose: bytes, session: bytes, a: int, b: int) -> bytes:
     lo, hi = sorted((a, b))
     return PROTOCOL + b"/" + purpose + b"/" + session + struct.pack(">II", lo, hi)
@@ -126,10 +146,12 @@ def open_box(box: bytes, key: bytes, session: bytes, sender: int, receiver: int)
     """Decrypt and check a share box; raises `ShareBoxError` if tampered, replayed or misrouted."""
     try:
         body = AESGCM(key).decrypt(box[:12], box[12:], _aad(session, sender, receiver))
-    except (InvalidTag, ValueError) as exc:
+    except (InvalidTag, ValueError, TypeError) as exc:
         raise ShareBoxError(f"share box from slot {sender} to slot {receiver} failed authentication") from exc
+    if len(body) != 12 + 64:
+        raise ShareBoxError(f"share box from slot {sender} to slot {receiver} holds {len(body)} bytes, not {12 + 64}")
     s, r, index = struct.unpack(">III", body[:12])
-    if (s, r) != (sender, receiver) or len(body) != 12 + 64:
+    if (s, r) != (sender, receiver):
         raise ShareBoxError(f"share box claims ({s}->{r}), expected ({sender}->{receiver})")
     return SharePair(s, r, index, body[12:44], body[44:76])
 

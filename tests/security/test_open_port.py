@@ -42,7 +42,7 @@ def _raw_post(port: int, ca: str, path: str) -> int:
 def test_only_the_fleet_api_faces_the_network(tmp_path, no_leftover_processes):
     root = tmp_path / "fed"
     with ProcessSet(root / "logs") as procs:
-        fed = LocalFederation(root, procs, num_factories=2, train_size=120, tls=True, fleet_proxy=True)
+        fed = LocalFederation(root, procs, num_factories=3, train_size=120, tls=True, fleet_proxy=True)
         fed.start()
         ca = str(fed.certs_dir / "ca.pem")
 
@@ -70,11 +70,11 @@ def test_only_the_fleet_api_faces_the_network(tmp_path, no_leftover_processes):
             launch.register_supernode(attacker, rogue_pub)
 
         # 3. The operator on the central host submits through the loopback port; registered factories train through nginx.
-        flwr_run_id = fed.submit(fed.run_config(1, **{"architecture": "cnn-small", "local-epochs": 1, "personal-epochs": 0, "min-factories": 2,
+        flwr_run_id = fed.submit(fed.run_config(1, **{"architecture": "cnn-small", "local-epochs": 1, "personal-epochs": 0, "min-factories": 3,
                                                       "federated-evaluation": False}))
         registry = Registry.at(fed.registry_dir)
         run = wait_for_run(registry, f"run-{flwr_run_id}", timeout=300, procs=procs)
     assert run.status == "finished", run.error
     (round1,) = registry.rounds(f"run-{flwr_run_id}")
-    assert round1.status == "completed" and round1.participants == ["factory-0", "factory-1"]
+    assert round1.status == "completed" and round1.participants == ["factory-0", "factory-1", "factory-2"]
     assert len([r for r in registry.runs()]) == 1  # the attacker's run never started
