@@ -78,13 +78,18 @@ def noise_for_budget(epsilon_max: float, delta: float, sample_rate: float, total
 
 
 class PrivacyLedger:
-    """Append-only SQLite record of DP charges for one factory, across rounds, runs and restarts."""
+    """Append-only SQLite record of DP charges for one factory, across rounds, runs and restarts.
+
+    The ledger file belongs to the factory's state directory, and every charge in it counts, whatever
+    name the factory runs under now: renaming a factory (``--factory-id``) never resets its budget.
+    Each row also records the name it was charged under, for the operator.
+    """
 
     def __init__(self, path: str | Path, factory_id: str) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.factory_id = factory_id
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute(
@@ -94,10 +99,7 @@ class PrivacyLedger:
         )
 
     def charges(self) -> list[Charge]:
-        rows = self._db.execute(
-            "SELECT run_id, server_round, noise_multiplier, sample_rate, steps, delta, created_at FROM charges WHERE factory_id=? ORDER BY id",
-            (self.factory_id,),
-        ).fetchall()
+        rows = self._db.execute("SELECT run_id, server_round, noise_multiplier, sample_rate, steps, delta, created_at FROM charges ORDER BY id").fetchall()
         return [Charge(*row) for row in rows]
 
     def history(self) -> list[tuple[float, float, int]]:
@@ -107,21 +109,31 @@ class PrivacyLedger:
         return epsilon_of(self.history(), delta)
 
     def charge(self, budget: PrivacyBudget, run_id: str, server_round: int, noise_multiplier: float, sample_rate: float, steps: int) -> float:
-        """Record a round's charge if it fits the budget; return epsilon after it, or raise `BudgetExhausted`."""
-        after = epsilon_of(self.history() + [(noise_multiplier, sample_rate, steps)], budget.delta)
-        if after > budget.epsilon_max:
-            spent = self.spent(budget.delta)
-            raise BudgetExhausted(
-                f"privacy budget of factory {self.factory_id} exhausted: this round ({steps} DP steps at noise {noise_multiplier:.3f}, "
-                f"sample rate {sample_rate:.4f}) would bring epsilon from {spent:.3f} to {after:.3f} > epsilon_max {budget.epsilon_max} "
-                f"(delta {budget.delta}); the round is refused and nothing is sent. Raise --dp-epsilon on the factory to train more."
-            )
-        with self._db:  # one committed, fsync'd transaction before any training starts
+        """Record a round's charge if it fits the budget; return epsilon after it, or raise `BudgetExhausted`.
+
+        The check and the insert are one write transaction (``BEGIN IMMEDIATE``): two charges racing from
+        two threads or processes cannot both pass a check the other would have failed.
+        """
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            history = [(n, q, k) for n, q, k in self._db.execute("SELECT noise_multiplier, sample_rate, steps FROM charges ORDER BY id")]
+            after = epsilon_of(history + [(noise_multiplier, sample_rate, steps)], budget.delta)
+            if after > budget.epsilon_max:
+                spent = epsilon_of(history, budget.delta)
+                raise BudgetExhausted(
+                    f"privacy budget of factory {self.factory_id} exhausted: this round ({steps} DP steps at noise {noise_multiplier:.3f}, "
+                    f"sample rate {sample_rate:.4f}) would bring epsilon from {spent:.3f} to {after:.3f} > epsilon_max {budget.epsilon_max} "
+                    f"(delta {budget.delta}); the round is refused and nothing is sent. Raise --dp-epsilon on the factory to train more."
+                )
             self._db.execute(
                 "INSERT INTO charges (factory_id, run_id, server_round, noise_multiplier, sample_rate, steps, delta, created_at)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (self.factory_id, run_id, server_round, noise_multiplier, sample_rate, steps, budget.delta, time.time()),
             )
+            self._db.execute("COMMIT")  # committed and fsync'd (synchronous=FULL) before any training starts
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
         return after
 
     def close(self) -> None:

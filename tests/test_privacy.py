@@ -172,3 +172,48 @@ def test_ledger_survives_kill_9_mid_round(tmp_path, no_leftover_processes):
         channel.close()
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(10)
+
+
+@pytest.mark.parametrize("n_images, batch", [(53, 16), (90, 7), (41, 41)])
+def test_the_ledger_charges_exactly_what_opacus_samples(tmp_path, n_images, batch):
+    """Batch sizes that do not divide n: the ledger's (q, steps) are those of the Poisson loader Opacus builds."""
+    from opacus.data_loader import DPDataLoader
+    from torch.utils.data import DataLoader
+
+    from client.data import DataRequest
+    from client.dp import ImageSetDataset
+
+    trainer = FactoryTrainer(_cfg(tmp_path, train_size=n_images, dp_epsilon=50.0))
+    train_set = trainer.data.split(DataRequest()).train
+    trainer.train(_global(), {**CONFIG, "batch-size": batch, "local-epochs": 2}, 1, run_id="r")
+    (charge,) = trainer.ledger.charges()
+    loader = DPDataLoader.from_data_loader(DataLoader(ImageSetDataset(train_set), batch_size=batch))
+    assert charge.sample_rate == pytest.approx(loader.sample_rate) and charge.steps == 2 * len(loader)
+
+
+def test_renaming_a_factory_never_resets_its_budget(tmp_path):
+    first = FactoryTrainer(_cfg(tmp_path))
+    spent = first.train(_global(), CONFIG, 1, run_id="r").privacy["epsilon-spent"]
+    first.close()
+    renamed = FactoryTrainer(_cfg(tmp_path, factory_id="dp-plant-renamed"))
+    assert renamed.privacy_status()["epsilon-spent"] == pytest.approx(spent)
+
+
+def test_concurrent_charges_cannot_both_pass_the_budget_check(tmp_path):
+    """Two ledgers on one file (two processes' worth of connections) race for the last of a budget: one wins."""
+    budget = PrivacyBudget(epsilon_max=7.0, delta=1e-5)  # one charge below is epsilon 6.24, two are 8.41
+    a, b = PrivacyLedger(tmp_path / "l.db", "x"), PrivacyLedger(tmp_path / "l.db", "x")
+    outcomes = []
+
+    def charge(ledger):
+        try:
+            outcomes.append(ledger.charge(budget, "r", 1, noise_multiplier=1.1, sample_rate=0.25, steps=12))
+        except BudgetExhausted:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=charge, args=(ledger,)) for ledger in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(map(str, outcomes)).count("refused") == 1 and len(a.charges()) == 1
