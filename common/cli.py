@@ -1,4 +1,5 @@
-"""The ``fedforge`` command. Sub-commands live beside the code they drive and load lazily.
+"""The ``fedforge`` command root. Sub-commands live beside the code they drive, are declared as entry
+points in pyproject.toml, and load lazily.
 
 Options come from flags, then ``FEDFORGE_<COMMAND>_<OPTION>`` environment variables, then the
 ``[<command>]`` table of a TOML file given with ``--config`` (or ``FEDFORGE_CONFIG``), then defaults.
@@ -6,7 +7,6 @@ Options come from flags, then ``FEDFORGE_<COMMAND>_<OPTION>`` environment variab
 
 from __future__ import annotations
 
-import importlib
 import logging
 import sys
 import tomllib
@@ -14,53 +14,39 @@ from typing import Any
 
 import click
 
-# name -> "module:attribute"; modules are imported only when their command runs, so
-# ``fedforge client`` never imports the server and ``--help`` stays fast.
-COMMANDS: dict[str, str] = {
-    "demo": "server.demo:demo",
-    "server": "server.cli:server",
-    "run": "server.cli:run",
-    "keys": "server.models_cli:keys",
-    "dashboard": "server.cli:dashboard",
-    "certs": "server.cli:certs",
-    "factories": "server.cli:factories",
-    "client": "client.cli:client",
-    "agent": "client.cli:agent",
-}
+# The sub-commands are declared where packaging declares everything: pyproject.toml's
+# [project.entry-points."fedforge.commands"] (and "fedforge.models.commands" for `fedforge models ...`).
+# This module knows no server or client module; each command's module is imported only when it runs,
+# so ``fedforge client`` never imports the server and ``--help`` stays fast.
+COMMAND_GROUP = "fedforge.commands"
+MODEL_COMMAND_GROUP = "fedforge.models.commands"
 
-# `fedforge models ...`: central-site operations and edge-side ones under one group.
-MODEL_COMMANDS: dict[str, str] = {
-    "ls": "server.models_cli:models_ls",
-    "approve": "server.models_cli:models_approve",
-    "revoke": "server.models_cli:models_revoke",
-    "rollback": "server.models_cli:models_rollback",
-    "export": "server.models_cli:models_export",
-    "pull": "client.models_cli:models_pull",
-    "verify": "client.models_cli:models_verify",
-}
+
+def declared_commands(group: str) -> dict[str, Any]:
+    """{name: entry point} of the commands installed in ``group``."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=group)}
 
 
 QUIET_LIBRARIES = ("alembic", "sqlalchemy", "httpx", "httpcore", "uvicorn", "flwr", "opacus", "asyncio", "PIL", "urllib3", "selenium")
 
 
 class LazyGroup(click.Group):
-    """A group whose sub-commands are "module:attribute" strings, imported only when used."""
+    """A group whose sub-commands are entry points of ``entry_point_group``, loaded only when used."""
 
-    def __init__(self, *args: Any, commands: dict[str, str] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, entry_point_group: str = COMMAND_GROUP, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.lazy = commands if commands is not None else COMMANDS
+        self.entry_point_group = entry_point_group
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted({*self.lazy, *self.commands})
+        return sorted({*declared_commands(self.entry_point_group), *self.commands})
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name in self.commands:
             return self.commands[name]
-        target = self.lazy.get(name)
-        if target is None:
-            return None
-        module, attr = target.split(":")
-        return getattr(importlib.import_module(module), attr)
+        entry = declared_commands(self.entry_point_group).get(name)
+        return entry.load() if entry is not None else None
 
 
 def load_toml_defaults(path: str | None) -> dict[str, Any]:
@@ -90,7 +76,7 @@ def cli(ctx: click.Context, config_path: str | None, verbose: bool) -> None:
     ctx.default_map = load_toml_defaults(config_path)
 
 
-@cli.group(cls=LazyGroup, commands=MODEL_COMMANDS)
+@cli.group(cls=LazyGroup, entry_point_group=MODEL_COMMAND_GROUP)
 def models() -> None:
     """List, approve, revoke and roll back model versions (central); pull and verify them (edge)."""
 
