@@ -21,14 +21,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-from PIL import Image  # noqa: E402
+import numpy as np
+from PIL import Image
 
-from common.data import synth  # noqa: E402
-from common.data.folder import index_image_folder, load_labelled  # noqa: E402
-from common.features import FeatureCache, content_keys, features_of  # noqa: E402
-from common.models import build_model  # noqa: E402
-from common.training import set_torch_threads  # noqa: E402
+from common.data import synth
+from common.data.folder import index_image_folder, load_labelled
+from common.features import FeatureCache, content_keys, features_of
+from common.models import build_model
+from common.training import set_torch_threads
 
 
 def write_folder(root: Path, n: int) -> None:
