@@ -68,10 +68,11 @@ class LocalFederation:
     factory_args: dict[int, list[str]] = field(default_factory=dict)  # extra flags for one factory (e.g. its own --data folder)
     secure: bool = True  # secure aggregation (factories require it); False: plain rounds, factories allow plaintext answers
 
+    factories: list[Factory] = field(default_factory=list)
+
     @property
     def certs_dir(self) -> Path:
         return self.root / "certs"
-    factories: list[Factory] = field(default_factory=list)
 
     @property
     def superlink(self) -> str:
@@ -106,7 +107,8 @@ class LocalFederation:
                 tls_flags += ["--fleet-proxy", "nginx", "--local-port", str(self.local_port)]
         proc = self.procs.start("central", fedforge_command() + [
             "server", "--workdir", str(self.root / "central"), "--port", str(self.port), "--registry-listen", self.registry_address,
-            "--dashboard-listen", f"127.0.0.1:{self.dashboard_port}", *tls_flags, *self.central_flags,
+            "--dashboard-listen", f"127.0.0.1:{self.dashboard_port}", *tls_flags,
+            *([] if self.secure else ["--set", "secure-aggregation=false"]), *self.central_flags,
         ], env={"FEDFORGE_ADMIN_TOKEN": self.admin_token} if self.admin_token else None)
         wait_for_port("127.0.0.1", self.port, timeout=90, proc=proc)
 
