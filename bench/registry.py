@@ -39,6 +39,8 @@ from common.signing import load_public
 from server.registry.grpc_service import serve_registry
 from server.registry.service import NewVersion, Registry
 
+TOKEN = "bench-token"
+
 
 def download(tmp: Path, megabytes: int) -> dict[str, float]:
     registry = Registry.at(tmp / "registry", create_key=True)
@@ -46,13 +48,13 @@ def download(tmp: Path, megabytes: int) -> dict[str, float]:
                                           weights=OrderedDict(w=np.random.default_rng(0).random(megabytes * 262_144, dtype=np.float32)),
                                           metrics={}, participants=[]))
     address = f"127.0.0.1:{free_port()}"
-    server, stop = serve_registry(registry, address)
+    server, stop = serve_registry(registry, address, TOKEN)
     try:
         src = registry.artifacts.path_for(big.sha256)
         t_copy = min(_timed(lambda i=i: shutil.copyfile(src, tmp / f"copy{i}")) for i in range(3))
         pulls = []
         for i in range(3):
-            client = ModelClient(address, load_public(tmp / "registry" / "keys" / "signing.pub"), tmp / f"edge{i}")
+            client = ModelClient(address, load_public(tmp / "registry" / "keys" / "signing.pub"), tmp / f"edge{i}", token=TOKEN)
             pulls.append(_timed(lambda c=client: c.pull(big.id)))
             client.close()
         t_pull = min(pulls)
@@ -70,9 +72,10 @@ def inspect(tmp: Path, requests: int) -> dict[str, float]:
                                         weights=weights, metrics={}, participants=[]))
     registry.approve(v.id, actor="bench")
     reg_address, agent_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    reg_server, stop = serve_registry(registry, reg_address)
+    reg_server, stop = serve_registry(registry, reg_address, TOKEN)
     agent = serve(AgentConfig(factory_id="bench", listen=agent_address, train_size=16, registry=reg_address,
-                              registry_public_key=str(tmp / "registry" / "keys" / "signing.pub"), state_dir=str(tmp / "agent")))
+                              registry_public_key=str(tmp / "registry" / "keys" / "signing.pub"), registry_token=TOKEN,
+                              release_public_key=str(tmp / "registry" / "keys" / "release.pub"), state_dir=str(tmp / "agent")))
     try:
         while agent.follower.serving.version != v.id:
             time.sleep(0.05)

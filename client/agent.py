@@ -283,9 +283,10 @@ def serve(cfg: AgentConfig) -> Agent:
         serving = ServingModel()
         edge_pb2_grpc.add_InspectionServicer_to_server(InspectionServicer(serving), server)
         credentials = grpc.ssl_channel_credentials(Path(cfg.registry_ca).read_bytes()) if cfg.registry_ca else None
-        client = ModelClient(cfg.registry, load_public(cfg.registry_public_key), Path(cfg.state_dir) / "models", credentials)
+        client = ModelClient(cfg.registry, load_public(cfg.registry_public_key), Path(cfg.state_dir) / "models", credentials, cfg.registry_token)
         chooser = personal_chooser(trainer, servicer._lock) if cfg.personalize else None
-        follower = ApprovalFollower(client, serving, cfg.architecture, chooser)  # a factory serves its own architecture's line
+        follower = ApprovalFollower(client, serving, load_public(cfg.release_public_key), cfg.architecture, chooser,  # its own architecture's line
+                                    state_path=Path(cfg.state_dir) / "releases.json")
         servicer.after_round = follower.reconsider
         servicer.serving_description = lambda: f"{serving.current().label}: {serving.description}" if serving.version else ""
     if server.add_insecure_port(cfg.listen) == 0 and not cfg.listen.startswith("unix:"):

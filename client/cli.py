@@ -50,6 +50,10 @@ def agent_options(f):  # type: ignore[no-untyped-def]
         click.option("--local-world-size", default=1, type=click.IntRange(1), help="Ranks of the DDP/FSDP worker group (GPUs or CPU workers)."),
         click.option("--registry", default="", help="Central ModelRegistry (host:port): follow approvals and serve Inspection."),
         click.option("--registry-public-key", default="", help="The central site's signing.pub, pinned: unverifiable models are never loaded."),
+        click.option("--release-public-key", default="", help="The federation's release.pub, pinned: only versions with an approval signed "
+                     "by it are served, never an older release without a signed rollback."),
+        click.option("--registry-token", default="", envvar="FEDFORGE_REGISTRY_TOKEN", help="The registry's client token "
+                     "(the central site's registry/keys/registry.token)."),
         click.option("--state-dir", default="fedforge-factory", type=click.Path(file_okay=False), help="Durable factory state (privacy ledger)."),
         click.option("--dp/--no-dp", default=False, help="Train with DP-SGD (Opacus) under this factory's privacy budget."),
         click.option("--dp-epsilon", default=8.0, type=float, help="Privacy budget epsilon_max over all rounds and runs."),

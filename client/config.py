@@ -39,7 +39,9 @@ class AgentConfig:
     secagg_colluders: int = 0  # tolerated colluding factories: a session's threshold must exceed half its size plus this
     personalize: bool = True  # keep a locally fine-tuned model; inspection serves it when it validates better
     registry: str = ""  # the central ModelRegistry (host:port); with it, the agent serves Inspection
-    registry_public_key: str = ""  # the central site's pinned signing.pub
+    registry_public_key: str = ""  # the central site's pinned signing.pub (who made a version)
+    release_public_key: str = ""  # the federation's pinned release.pub (what may be served: signed approvals)
+    registry_token: str = ""  # presented to the registry on every call (the central site's registry/keys/registry.token)
     registry_ca: str = ""  # CA certificate for TLS to the registry (empty: plain gRPC on a trusted network)
     # Differential privacy: factory-side settings the server cannot change.
     dp: bool = False
@@ -88,8 +90,9 @@ class AgentConfig:
             raise ValueError(f"--local-world-size must be >= 1, got {self.local_world_size}")
         if self.memory_limit_mb < 0:
             raise ValueError(f"--memory-limit-mb must be >= 0, got {self.memory_limit_mb}")
-        if bool(self.registry) != bool(self.registry_public_key):
-            raise ValueError("--registry and --registry-public-key go together: models are only loaded after verification")
+        if self.registry and not (self.registry_public_key and self.release_public_key and self.registry_token):
+            raise ValueError("--registry needs --registry-public-key (signing.pub), --release-public-key (release.pub) and --registry-token: "
+                             "models are only loaded after verification, and only served with a signed approval")
         if self.architecture:
             from common.models import ARCHITECTURES
 

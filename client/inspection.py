@@ -2,18 +2,24 @@
 
 `ServingModel` swaps models atomically: a request takes a reference to the current (version, model)
 pair once and finishes on it, so a hot swap never loses or mixes a request. `ApprovalFollower` tracks
-the registry's WatchApproved stream, pulls and verifies the version that should be serving, and only
-then swaps; a version that fails verification is refused with a log line and never loaded, and a
-revocation swaps back to the previous approved version.
+the registry's WatchApproved stream and acts only on release statements signed by the release key it
+pins, each numbered above the last one it applied (kept in its state directory across restarts); it
+pulls and verifies the version a statement approves (signing key and the statement's sha256), and only
+then swaps. A forged, replayed or mismatched statement and a version that fails verification are
+refused with a log line and never loaded; a signed revocation swaps back to the newest version still
+approved by an earlier signed statement.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -25,6 +31,7 @@ from client.models import ModelClient
 from common.data.images import ImageError, decode_image_bytes
 from common.data.synth import CLASSES, DEFAULT_SIZE
 from common.models import PRETRAINED_ARCHITECTURES, build_model, load_weights
+from common.release import Statement, verify_statement
 from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
 from common.signing import VerificationError
 
@@ -137,24 +144,60 @@ class InspectionServicer(edge_pb2_grpc.InspectionServicer):
 Chooser = Callable[[str, str, DataRequest, torch.nn.Module], tuple[str, torch.nn.Module, str]]
 
 
+@dataclass(frozen=True)
+class SignedStatement:
+    statement: Statement
+    data: str  # the exact signed bytes (canonical JSON), kept to re-verify after a restart
+    signature: str
+
+
 class ApprovalFollower(threading.Thread):
-    """Follows WatchApproved; keeps `serving` on the newest approved version that verifies.
+    """Follows WatchApproved; keeps `serving` on the newest version approved by a valid signed statement.
 
     With a ``chooser`` (personalisation), the approved global model is served only if it scores at
     least as well on the factory's held-out split as the factory's personal model; `reconsider`
-    repeats that choice after a round has produced a new personal model.
+    repeats that choice after a round has produced a new personal model. With a ``state_path`` the
+    applied release number and approvals survive restarts, so a registry that later replays an older
+    history cannot move this line backwards.
     """
 
-    def __init__(self, client: ModelClient, serving: ServingModel, architecture: str = "", chooser: Chooser | None = None) -> None:
+    def __init__(self, client: ModelClient, serving: ServingModel, release_key: Any, architecture: str = "", chooser: Chooser | None = None,
+                 state_path: Path | None = None) -> None:
         super().__init__(daemon=True, name="fedforge-approval-follower")
-        self.client, self.serving, self.architecture, self.chooser = client, serving, architecture, chooser
+        self.client, self.serving, self.release_key, self.architecture, self.chooser = client, serving, release_key, architecture, chooser
+        self.state_path = state_path
         self._global: tuple[str, dict[str, Any], torch.nn.Module] | None = None  # (version, manifest, model) being followed
         self.stop_event = threading.Event()
-        self.approved: list[str] = []  # approved versions in order of approval, revoked ones removed
-        self.refused: dict[str, str] = {}
+        self.approved: list[SignedStatement] = []  # signed approvals in release order, revoked ones removed
+        self.refused: dict[str, str] = {}  # version id -> why it was not loaded
+        self.refused_statements: dict[int, str] = {}  # action id -> why the statement was not acted on
+        self.release = 0  # the highest release number applied
         self.last_action = 0
+        self._load_state()
 
+    # durable state -------------------------------------------------------------------------
+    def _load_state(self) -> None:
+        if self.state_path is None or not self.state_path.exists():
+            return
+        saved = json.loads(self.state_path.read_text())
+        for item in saved.get("approved", []):  # re-verified: a file edited on disk is no shortcut around the release key
+            statement = verify_statement(item["statement"].encode(), item["signature"], self.release_key)
+            self.approved.append(SignedStatement(statement, item["statement"], item["signature"]))
+        self.release, self.last_action = int(saved["release"]), int(saved["last_action"])
+
+    def _save_state(self) -> None:
+        if self.state_path is None:
+            return
+        state = {"release": self.release, "last_action": self.last_action,
+                 "approved": [{"statement": a.data, "signature": a.signature} for a in self.approved]}
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, self.state_path)
+
+    # the stream ------------------------------------------------------------------------------
     def run(self) -> None:
+        if self.approved:
+            self._serve_best()
         while not self.stop_event.is_set():
             try:
                 self._stream = self.client.watch(self.architecture, self.last_action)
@@ -167,30 +210,50 @@ class ApprovalFollower(threading.Thread):
                 log.warning("registry watch interrupted (%s); reconnecting", err.code().name)
                 time.sleep(1.0)
 
+    def _verified(self, event: Any) -> Statement:
+        statement = verify_statement(event.statement, event.signature, self.release_key)
+        if (statement.version_id, statement.action) != (event.version_id, event.action):
+            raise VerificationError(f"the statement says {statement.action} {statement.version_id}, the registry said {event.action} {event.version_id}")
+        if self.architecture and statement.architecture != self.architecture:
+            raise VerificationError(f"the statement is for architecture {statement.architecture}, this line serves {self.architecture}")
+        if statement.release <= self.release:
+            raise VerificationError(f"release {statement.release} is not above release {self.release} already applied here "
+                                    "(a replayed or reordered statement; going back needs a newer signed rollback)")
+        return statement
+
     def _apply(self, event: Any) -> None:
-        if event.action in ("approve", "rollback"):
-            if event.version_id in self.approved:
-                self.approved.remove(event.version_id)
-            self.approved.append(event.version_id)
-        elif event.action == "revoke" and event.version_id in self.approved:
-            self.approved.remove(event.version_id)
+        try:
+            statement = self._verified(event)
+        except VerificationError as exc:
+            self.refused_statements[event.action_id] = str(exc)
+            log.error("registry action %d (%s %s) refused: %s", event.action_id, event.action, event.version_id, exc)
+            return
+        self.release = statement.release
+        self.approved = [a for a in self.approved if a.statement.version_id != statement.version_id]
+        if statement.status == "approved":
+            self.approved.append(SignedStatement(statement, event.statement.decode(), event.signature))
+        self._save_state()
         self._serve_best()
 
     def _serve_best(self) -> None:
-        for version_id in reversed(self.approved):
+        for approval in reversed(self.approved):
+            statement = approval.statement
+            version_id = statement.version_id
             if version_id == self.serving.version:
                 return
             if version_id in self.refused:
                 continue
             try:
                 pulled = self.client.pull(version_id)
+                if pulled.manifest.get("sha256") != statement.sha256:
+                    raise VerificationError(f"the approved sha256 {statement.sha256} is not the version's {pulled.manifest.get('sha256')}")
                 self._serve(version_id, pulled.manifest, load_verified(pulled.weights_path, pulled.manifest))
                 return
             except (VerificationError, grpc.RpcError, ValueError, KeyError, RuntimeError) as exc:
                 reason = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
                 self.refused[version_id] = f"{type(exc).__name__}: {reason}"
                 log.error("model %s refused and not loaded: %s", version_id, self.refused[version_id])
-        if self.serving.version is not None and self.serving.version not in self.approved:
+        if self.serving.version is not None and self.serving.version not in {a.statement.version_id for a in self.approved}:
             self._global = None
             self.serving.clear("it is no longer approved and no other approved version verifies")
 

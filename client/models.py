@@ -22,6 +22,22 @@ from common.signing import TruncatedDownloadError, VerificationError, verify_man
 log = logging.getLogger(__name__)
 
 
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds ``authorization: Bearer <token>`` to every call on the channel."""
+
+    def __init__(self, token: str) -> None:
+        self.metadata = ("authorization", f"Bearer {token}")
+
+    def _with_token(self, details: Any) -> Any:
+        return details._replace(metadata=[*(details.metadata or ()), self.metadata])
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+
 @dataclass(frozen=True)
 class VerifiedModel:
     version_id: str
@@ -30,8 +46,13 @@ class VerifiedModel:
 
 
 class ModelClient:
-    def __init__(self, address: str, pinned_key: Any, cache_dir: str | Path, credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(self, address: str, pinned_key: Any, cache_dir: str | Path, credentials: grpc.ChannelCredentials | None = None,
+                 token: str = "") -> None:
+        if not token:
+            raise ValueError("the model registry requires its token: --registry-token (or FEDFORGE_REGISTRY_TOKEN), "
+                             "from the central site's registry/keys/registry.token")
         self.channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+        self.channel = grpc.intercept_channel(self.channel, _BearerToken(token))
         self.stub = registry_pb2_grpc.ModelRegistryStub(self.channel)
         self.pinned = pinned_key
         self.cache = Path(cache_dir)

@@ -15,16 +15,19 @@ from common.signing import VerificationError, load_public, verify_manifest, veri
 @click.argument("version_id")
 @click.option("--registry", "address", required=True, help="ModelRegistry gRPC address (host:port).")
 @click.option("--public-key", required=True, type=click.Path(dir_okay=False, exists=True), help="The central site's pinned signing.pub.")
+@click.option("--registry-token", required=True, envvar="FEDFORGE_REGISTRY_TOKEN", help="The registry's client token.")
 @click.option("--cache-dir", default="fedforge-factory/models", type=click.Path(file_okay=False))
-def models_pull(version_id: str, address: str, public_key: str, cache_dir: str) -> None:
+def models_pull(version_id: str, address: str, public_key: str, registry_token: str, cache_dir: str) -> None:
     """Download a version and verify its signature and sha256 before keeping it."""
-    from common.signing import VerificationError
+    import grpc
 
-    client = ModelClient(address, load_public(public_key), cache_dir)
+    client = ModelClient(address, load_public(public_key), cache_dir, token=registry_token)
     try:
         model = client.pull(version_id)
     except VerificationError as exc:
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+    except grpc.RpcError as exc:
+        raise click.ClickException(f"registry {address}: {exc.code().name}: {exc.details()}") from None
     click.echo(f"verified {model.version_id} ({model.manifest['architecture']}, round {model.manifest['round']}) -> {model.weights_path}")
 
 

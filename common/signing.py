@@ -51,22 +51,30 @@ def sign(manifest: dict[str, Any], private: Ed25519PrivateKey) -> str:
     return json.dumps({"key_id": key_id(private.public_key()), "signature": private.sign(canonical(manifest)).hex()}, sort_keys=True)
 
 
-def verify_manifest(manifest_bytes: bytes, envelope: str, pinned: Ed25519PublicKey) -> dict[str, Any]:
+def verify_document(data: bytes, envelope: str, pinned: Ed25519PublicKey, what: str = "manifest") -> dict[str, Any]:
+    """Check a signed canonical-JSON document (a model manifest, a release statement) against a pinned key."""
     try:
         env = json.loads(envelope)
         signature = bytes.fromhex(env["signature"])
     except (ValueError, KeyError, TypeError) as exc:
-        raise TamperedManifestError(f"signature envelope is malformed: {exc}") from exc
+        raise TamperedManifestError(f"signature envelope of the {what} is malformed: {exc}") from exc
     if env.get("key_id") != key_id(pinned):
-        raise WrongKeyError(f"manifest signed by key {env.get('key_id')}, but this node pins key {key_id(pinned)}")
+        raise WrongKeyError(f"{what} signed by key {env.get('key_id')}, but this node pins key {key_id(pinned)}")
     try:
-        pinned.verify(signature, manifest_bytes)
+        pinned.verify(signature, data)
     except InvalidSignature as exc:
-        raise TamperedManifestError("manifest signature is invalid: the manifest was altered after signing") from exc
-    manifest = json.loads(manifest_bytes)
-    if canonical(manifest) != manifest_bytes:
-        raise TamperedManifestError("manifest is not in canonical form")
-    return manifest
+        raise TamperedManifestError(f"{what} signature is invalid: the {what} was altered after signing") from exc
+    try:
+        document = json.loads(data)
+    except ValueError as exc:
+        raise TamperedManifestError(f"{what} is not JSON: {exc}") from exc
+    if not isinstance(document, dict) or canonical(document) != data:
+        raise TamperedManifestError(f"{what} is not in canonical form")
+    return document
+
+
+def verify_manifest(manifest_bytes: bytes, envelope: str, pinned: Ed25519PublicKey) -> dict[str, Any]:
+    return verify_document(manifest_bytes, envelope, pinned, "manifest")
 
 
 def verify_weights(blob_path: Path, manifest: dict[str, Any]) -> None:

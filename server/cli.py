@@ -29,18 +29,21 @@ log = logging.getLogger("fedforge.server")
 @click.option("--certs-dir", default=None, type=click.Path(file_okay=False), help="ca.pem, server.pem, server.key from `fedforge certs`.")
 @click.option("--supernode-auth/--no-supernode-auth", default=None, help="Only registered factories may join (default: on with --tls).")
 @click.option("--registry-listen", default="127.0.0.1:50051", help="ModelRegistry gRPC address ('' to not serve it).")
+@click.option("--registry-token", default=None, envvar="FEDFORGE_REGISTRY_TOKEN",
+              help="Token factories present to the registry; default: the one in <workdir>/registry/keys/registry.token (made once).")
 @click.option("--dashboard-listen", default="127.0.0.1:8080", help="Web dashboard address ('' to not serve it).")
 @click.option("--admin-token", default=None, envvar="FEDFORGE_ADMIN_TOKEN", help="Token for dashboard actions (approve, revoke, stop); none: read-only.")
 @click.option("--view-token", default=None, envvar="FEDFORGE_VIEW_TOKEN", help="Token required to view the dashboard; none: open.")
 @click.option("--rounds", default=0, type=int, help="Run a federation of this many rounds and keep it going across crashes (0: only serve).")
 @click.option("--set", "overrides", multiple=True, help="Run-config key=value for --rounds (repeatable).")
 def server(workdir: str, host: str, port: int, local_port: int, fleet_proxy: str, insecure: bool, certs_dir: str | None,
-           supernode_auth: bool | None, registry_listen: str, dashboard_listen: str, admin_token: str | None, view_token: str | None, rounds: int,
+           supernode_auth: bool | None, registry_listen: str, registry_token: str | None, dashboard_listen: str, admin_token: str | None, view_token: str | None, rounds: int,
            overrides: tuple[str, ...]) -> None:
     """Run the central site: a Flower SuperLink with a durable database (restarted if it dies), behind nginx when it faces
     the network, and the model registry."""
     from common.signing import key_id
     from server import fleet_proxy as proxy
+    from server.registry.grpc_service import registry_token as stored_token
     from server.registry.grpc_service import serve_registry
     from server.registry.service import Registry
 
@@ -74,7 +77,15 @@ def server(workdir: str, host: str, port: int, local_port: int, fleet_proxy: str
         import grpc
 
         credentials = grpc.ssl_server_credentials([(Path(tls["key"]).read_bytes(), Path(tls["cert"]).read_bytes())])
-    registry_server = serve_registry(registry, registry_listen, credentials)[0] if registry_listen else None
+    registry_server = None
+    if registry_listen:
+        token_file = root / "registry" / "keys" / "registry.token"
+        try:
+            registry_server = serve_registry(registry, registry_listen, registry_token or stored_token(token_file), credentials)[0]
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+        if not registry_token:
+            log.info("registry token in %s: give it to factories (--registry-token or FEDFORGE_REGISTRY_TOKEN)", token_file)
     operator_home = launch.flwr_home(root, local, insecure=local_tls is None, root_certificates=local_tls["ca"] if local_tls else None)
     dashboard = None
     if dashboard_listen:
@@ -219,5 +230,8 @@ def factories_add(names: tuple[str, ...], certs_dir: str, superlink: str, workdi
             node_id = launch.register_supernode(home, pub)
         except RuntimeError as exc:
             raise click.ClickException(str(exc)) from None
+        keys = Path(workdir).resolve() / "registry" / "keys"
         click.echo(f"registered factory {name} (SuperNode {node_id}). Copy to the factory: {d / 'ca.pem'} and {key}, then run")
         click.echo(f"  fedforge client --factory-id {name} --superlink {superlink} --tls --root-certificates ca.pem --auth-key {name}")
+        click.echo(f"  with inspection: --registry <central>:50051 --registry-public-key {keys / 'signing.pub'} "
+                   f"--release-public-key {keys / 'release.pub'} and FEDFORGE_REGISTRY_TOKEN from {keys / 'registry.token'}")

@@ -11,8 +11,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from common.signing import create_keypair, key_id, load_public
-from server.registry.service import Registry, TransitionError
+from common.signing import create_keypair, key_id, load_private, load_public
+from server.registry.service import Registry, ReleaseKeyError, TransitionError
 
 console = Console()
 DEFAULT_REGISTRY = "fedforge-central/registry"  # `fedforge server`'s default workdir; `fedforge demo` prints its own
@@ -20,28 +20,36 @@ DEFAULT_REGISTRY = "fedforge-central/registry"  # `fedforge server`'s default wo
 
 @click.group()
 def keys() -> None:
-    """Create and show the central site's Ed25519 signing key."""
+    """Create and show the federation's Ed25519 keys: ``signing`` (made by the central site, signs every version) and
+    ``release`` (signs approvals, revocations and rollbacks; keep it off the central host in production)."""
 
 
 @keys.command("create")
-@click.option("--registry-dir", default="fedforge-central/registry", type=click.Path(file_okay=False), help="Registry directory.")
-def keys_create(registry_dir: str) -> None:
-    """Create <registry-dir>/keys/signing.key (0600) and signing.pub; never overwrites."""
+@click.option("--registry-dir", default=DEFAULT_REGISTRY, type=click.Path(file_okay=False), help="Registry directory (keys go to <dir>/keys).")
+@click.option("--dir", "key_dir", default=None, type=click.Path(file_okay=False), help="Or write the key pair here (e.g. removable media).")
+@click.option("--name", default="signing", type=click.Choice(["signing", "release"]), help="Which key.")
+def keys_create(registry_dir: str, key_dir: str | None, name: str) -> None:
+    """Create NAME.key (0600) and NAME.pub; never overwrites."""
     try:
-        key_path, pub_path = create_keypair(Path(registry_dir) / "keys")
+        key_path, pub_path = create_keypair(Path(key_dir) if key_dir else Path(registry_dir) / "keys", name)
     except FileExistsError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(f"private key {key_path}\npublic key  {pub_path}  (copy it to every factory: --registry-public-key)")
+    click.echo(f"private key {key_path}")
+    if name == "signing":
+        click.echo(f"public key  {pub_path}  (copy it to every factory: --registry-public-key)")
+    else:
+        click.echo(f"public key  {pub_path}  (copy it to <registry-dir>/keys/release.pub and to every factory: --release-public-key)")
     click.echo(f"key id      {key_id(load_public(pub_path))}")
 
 
 @keys.command("show")
-@click.option("--registry-dir", default="fedforge-central/registry", type=click.Path(file_okay=False), help="Registry directory.")
-def keys_show(registry_dir: str) -> None:
-    """Print the public key and its id."""
-    pub = Path(registry_dir) / "keys" / "signing.pub"
+@click.option("--registry-dir", default=DEFAULT_REGISTRY, type=click.Path(file_okay=False), help="Registry directory.")
+@click.option("--name", default="signing", type=click.Choice(["signing", "release"]), help="Which key.")
+def keys_show(registry_dir: str, name: str) -> None:
+    """Print a public key and its id."""
+    pub = Path(registry_dir) / "keys" / f"{name}.pub"
     if not pub.exists():
-        raise click.ClickException(f"no signing key in {pub.parent}; run `fedforge keys create --registry-dir {registry_dir}`")
+        raise click.ClickException(f"no {name} key in {pub.parent}; run `fedforge keys create --registry-dir {registry_dir} --name {name}`")
     click.echo(pub.read_text().strip())
     click.echo(f"key id {key_id(load_public(pub))}")
 
@@ -68,9 +76,10 @@ def _fmt(value: Any) -> str:
 @click.command("ls")
 @click.option("--registry-dir", default=None, type=click.Path(file_okay=False), help="Read a local registry directly.")
 @click.option("--registry", "address", default=None, help="Or ask a ModelRegistry gRPC service (host:port).")
+@click.option("--registry-token", default="", envvar="FEDFORGE_REGISTRY_TOKEN", help="With --registry: the registry's client token.")
 @click.option("--status", default="", type=click.Choice(["", "candidate", "approved", "revoked"]), help="Filter by status.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def models_ls(registry_dir: str | None, address: str | None, status: str, as_json: bool) -> None:
+def models_ls(registry_dir: str | None, address: str | None, registry_token: str, as_json: bool, status: str) -> None:
     """List model versions, oldest first, with their federated figures (on the factories' own held-out images)."""
     if address:
         import grpc
@@ -78,10 +87,15 @@ def models_ls(registry_dir: str | None, address: str | None, status: str, as_jso
         from common.rpc.fedforge.v1 import registry_pb2, registry_pb2_grpc
 
         with grpc.insecure_channel(address) as channel:
+            try:
+                reply = registry_pb2_grpc.ModelRegistryStub(channel).ListVersions(
+                    registry_pb2.ListVersionsRequest(status=status), metadata=(("authorization", f"Bearer {registry_token}"),), timeout=30)
+            except grpc.RpcError as exc:
+                raise click.ClickException(f"registry {address}: {exc.code().name}: {exc.details()}") from None
             rows = [
                 {"id": v.id, "round": v.server_round, "kind": v.kind, "architecture": v.architecture, "status": v.status,
                  "secure": v.secure_aggregation, "created": v.created_at}
-                for v in registry_pb2_grpc.ModelRegistryStub(channel).ListVersions(registry_pb2.ListVersionsRequest(status=status)).versions
+                for v in reply.versions
             ]
     else:
         reg = _registry(registry_dir or DEFAULT_REGISTRY)
@@ -103,15 +117,14 @@ def models_ls(registry_dir: str | None, address: str | None, status: str, as_jso
     console.print(table)
 
 
-def _change(registry_dir: str, version_id: str, actor: str | None, note: str, op: str) -> None:
+def _change(registry_dir: str, version_id: str, actor: str | None, note: str, op: str, release_key: str | None) -> None:
     reg = _registry(registry_dir)
     try:
-        v = getattr(reg, op)(version_id, actor=actor or getpass.getuser(), note=note)
-    except KeyError as exc:
-        raise click.ClickException(str(exc)) from None
-    except TransitionError as exc:
-        raise click.ClickException(str(exc)) from None
-    click.echo(f"{v.id} is now {v.status}")
+        key = load_private(release_key) if release_key else None
+        v = getattr(reg, op)(version_id, actor=actor or getpass.getuser(), note=note, release_key=key)
+    except (KeyError, TransitionError, ReleaseKeyError, TypeError, ValueError) as exc:
+        raise click.ClickException(str(exc).strip("'\"")) from None
+    click.echo(f"{v.id} is now {v.status} (release {reg.actions(version_id=v.id)[-1].release}, signed by the release key)")
     if op in ("approve", "rollback"):
         f = federated_figures(reg, v.id)
         if f:
@@ -125,28 +138,30 @@ def _status_options(f):  # type: ignore[no-untyped-def]
     f = click.argument("version_id")(f)
     f = click.option("--registry-dir", default=DEFAULT_REGISTRY, type=click.Path(file_okay=False))(f)
     f = click.option("--actor", default=None, help="Who does this (default: the OS user).")(f)
+    f = click.option("--release-key", default=None, envvar="FEDFORGE_RELEASE_KEY", type=click.Path(dir_okay=False, exists=True),
+                     help="The release key that signs the statement (default: <registry-dir>/keys/release.key, when it lives there).")(f)
     return click.option("--note", default="", help="Why.")(f)
 
 
 @click.command("approve")
 @_status_options
-def models_approve(version_id: str, registry_dir: str, actor: str | None, note: str) -> None:
+def models_approve(version_id: str, registry_dir: str, actor: str | None, release_key: str | None, note: str) -> None:
     """Approve a version for the factories' inspection lines (prints its escape rate)."""
-    _change(registry_dir, version_id, actor, note, "approve")
+    _change(registry_dir, version_id, actor, note, "approve", release_key)
 
 
 @click.command("revoke")
 @_status_options
-def models_revoke(version_id: str, registry_dir: str, actor: str | None, note: str) -> None:
-    """Revoke a version: edge nodes stop serving it."""
-    _change(registry_dir, version_id, actor, note, "revoke")
+def models_revoke(version_id: str, registry_dir: str, actor: str | None, release_key: str | None, note: str) -> None:
+    """Revoke a version: edge nodes stop serving it (and go back to the newest version still approved)."""
+    _change(registry_dir, version_id, actor, note, "revoke", release_key)
 
 
 @click.command("rollback")
 @_status_options
-def models_rollback(version_id: str, registry_dir: str, actor: str | None, note: str) -> None:
+def models_rollback(version_id: str, registry_dir: str, actor: str | None, release_key: str | None, note: str) -> None:
     """Approve an older version again (it becomes the current one)."""
-    _change(registry_dir, version_id, actor, note, "rollback")
+    _change(registry_dir, version_id, actor, note, "rollback", release_key)
 
 
 @click.command("export")

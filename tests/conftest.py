@@ -80,10 +80,12 @@ def registry_factory(request, tmp_path):
     else:
         url = request.getfixturevalue("postgres").new_database()
     key_path, _ = create_keypair(tmp_path / "keys")
+    release_path, _ = create_keypair(tmp_path / "keys", "release")
 
     def make() -> Registry:
-        return Registry(url, tmp_path / "artifacts", signing_key=load_private(key_path))
+        return Registry(url, tmp_path / "artifacts", signing_key=load_private(key_path), release_key=load_private(release_path))
 
     make.url = url  # type: ignore[attr-defined]
     make.public_key = tmp_path / "keys" / "signing.pub"  # type: ignore[attr-defined]
+    make.release_public_key = tmp_path / "keys" / "release.pub"  # type: ignore[attr-defined]
     return make

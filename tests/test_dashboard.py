@@ -69,7 +69,8 @@ def test_api_shows_the_real_run(dashboard, registry_dir):
         received = float(next(line.split()[1] for line in metrics.splitlines() if line.startswith("fedforge_bytes_received_total")))
         assert received > 0
         assert "fedforge_rounds_completed_total 2" in metrics and 'fedforge_privacy_epsilon_spent{factory="factory-0"}' in metrics
-        assert c.get(f"/api/v1/versions/{newest['id']}/download").content == reg.artifacts.get(newest["sha256"])
+        refused = c.get(f"/api/v1/versions/{newest['id']}/download")  # weights leave only with the view token
+        assert refused.status_code == 403 and "view token" in refused.json()["detail"]
 
 
 def test_state_changes_need_the_admin_token(dashboard, registry_dir):
@@ -97,6 +98,13 @@ def test_read_only_without_admin_token_and_view_token(registry_dir):
             vid = Registry.at(registry_dir).versions()[0].id
             r = c.post(f"/api/v1/versions/{vid}/revoke", json={}, headers={"Authorization": "Bearer viewer-secret"})
             assert r.status_code == 403 and "disabled" in r.json()["detail"]
+            reg = Registry.at(registry_dir)
+            v = reg.versions()[1]  # the browser test below approves a candidate: leave the newest alone
+            assert c.get(f"/api/v1/versions/{v.id}/download", headers={"Authorization": "Bearer wrong"}).status_code == 401
+            assert c.get(f"/api/v1/versions/{v.id}/download?token=viewer-secret").content == reg.artifacts.get(v.sha256)
+            reg.revoke(v.id, actor="qa")
+            gone = c.get(f"/api/v1/versions/{v.id}/download?token=viewer-secret")
+            assert gone.status_code == 410 and "revoked" in gone.json()["detail"]
     finally:
         server.should_exit = True
 

@@ -45,10 +45,11 @@ def _wait(predicate, timeout=30.0):
 def site(registry_factory, tmp_path):
     registry = registry_factory()
     reg_address = f"127.0.0.1:{free_port()}"
-    reg_server, stop = serve_registry(registry, reg_address)
+    reg_server, stop = serve_registry(registry, reg_address, "inspection-token")
     agent_address = f"127.0.0.1:{free_port()}"
-    agent = serve(AgentConfig(factory_id="line-3", listen=agent_address, train_size=32, registry=reg_address,
-                              registry_public_key=str(registry_factory.public_key), state_dir=str(tmp_path / "factory")))
+    agent = serve(AgentConfig(factory_id="line-3", listen=agent_address, train_size=32, registry=reg_address, registry_token="inspection-token",
+                              registry_public_key=str(registry_factory.public_key), release_public_key=str(registry_factory.release_public_key),
+                              state_dir=str(tmp_path / "factory")))
     channel = grpc.insecure_channel(agent_address)
     yield registry, edge_pb2_grpc.InspectionStub(channel), agent
     channel.close()

@@ -27,17 +27,27 @@ from server.registry.grpc_service import serve_registry
 from server.registry.schema import Version
 from server.registry.service import NewVersion, TransitionError
 
+TOKEN = "registry-test-token"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+
 
 def _new(run="r", rnd=0, parent=None, size=16, value=1.0):
     return NewVersion(run_id=run, server_round=rnd, parent_id=parent, kind="fedavg" if rnd else "initial", architecture="cnn-small",
                       weights=OrderedDict(w=np.full(size, value, np.float32)), metrics={"accuracy": 0.5}, participants=["a", "b"])
 
 
+class _Token(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(details._replace(metadata=AUTH), request)
+
+    intercept_unary_stream = intercept_unary_unary
+
+
 @pytest.fixture
 def central(registry_factory):
     registry = registry_factory()
     address = f"127.0.0.1:{free_port()}"
-    server, stop = serve_registry(registry, address)
+    server, stop = serve_registry(registry, address, TOKEN)
     yield registry, address, load_public(registry_factory.public_key)
     stop.set()
     server.stop(grace=None).wait()
@@ -87,7 +97,7 @@ def test_concurrent_writers_do_not_corrupt_the_registry(registry_factory, tmp_pa
 def test_pull_verifies_and_refuses_each_kind_of_bad_artifact(central, tmp_path):
     registry, address, pinned = central
     good = registry.add_version(_new(size=5000))
-    client = ModelClient(address, pinned, tmp_path / "edge")
+    client = ModelClient(address, pinned, tmp_path / "edge", token=TOKEN)
     model = client.pull(good.id, chunk_size=4096)
     assert model.manifest["sha256"] == good.sha256 and model.weights_path.read_bytes() == registry.artifacts.get(good.sha256)
 
@@ -118,7 +128,7 @@ def test_pull_verifies_and_refuses_each_kind_of_bad_artifact(central, tmp_path):
 
     # wrong pinned key
     _, other_pub = create_keypair(tmp_path / "other")
-    stranger = ModelClient(address, load_public(other_pub), tmp_path / "edge2")
+    stranger = ModelClient(address, load_public(other_pub), tmp_path / "edge2", token=TOKEN)
     with pytest.raises(WrongKeyError):
         stranger.pull(good.id)
 
@@ -126,7 +136,7 @@ def test_pull_verifies_and_refuses_each_kind_of_bad_artifact(central, tmp_path):
 def test_resumes_a_dropped_download(central, tmp_path):
     registry, address, pinned = central
     v = registry.add_version(_new(size=200_000))
-    client = ModelClient(address, pinned, tmp_path / "edge")
+    client = ModelClient(address, pinned, tmp_path / "edge", token=TOKEN)
     stream = client.stub.GetVersion(registry_pb2.GetVersionRequest(id=v.id, chunk_size=65536))
     with open(tmp_path / "edge" / f"{v.id}.part", "wb") as part:
         for i, chunk in enumerate(stream):
@@ -143,6 +153,15 @@ def test_resumes_a_dropped_download(central, tmp_path):
 def test_bad_requests_are_rejected(central):
     registry, address, _ = central
     stub = registry_pb2_grpc.ModelRegistryStub(grpc.insecure_channel(address))
+    for call in (lambda: stub.ListVersions(registry_pb2.ListVersionsRequest()), lambda: list(stub.GetVersion(registry_pb2.GetVersionRequest(id="0" * 32))),
+                 lambda: next(stub.WatchApproved(registry_pb2.WatchApprovedRequest()))):
+        with pytest.raises(grpc.RpcError) as err:  # no token: refused before any handler runs
+            call()
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ListVersions(registry_pb2.ListVersionsRequest(), metadata=(("authorization", "Bearer not-the-token"),))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    stub = registry_pb2_grpc.ModelRegistryStub(grpc.intercept_channel(grpc.insecure_channel(address), _Token()))
     for bad_id in ("../../etc/passwd", "A" * 32, "", "0" * 31 + "/"):
         with pytest.raises(grpc.RpcError) as err:
             list(stub.GetVersion(registry_pb2.GetVersionRequest(id=bad_id)))
@@ -169,7 +188,7 @@ def test_bad_requests_are_rejected(central):
 def test_watch_approved_streams_approvals_and_revocations(central, tmp_path):
     registry, address, pinned = central
     v = registry.add_version(_new())
-    client = ModelClient(address, pinned, tmp_path / "edge")
+    client = ModelClient(address, pinned, tmp_path / "edge", token=TOKEN)
     stream = client.watch()
     registry.approve(v.id, actor="alice")
     registry.revoke(v.id, actor="bob")
@@ -188,7 +207,7 @@ def test_large_model_streams_in_bounded_memory(central, tmp_path):
     script = textwrap.dedent(f"""
         from client.models import ModelClient
         from common.signing import load_public
-        m = ModelClient({address!r}, load_public({str(tmp_path / "keys" / "signing.pub")!r}), {str(tmp_path / "edge")!r})
+        m = ModelClient({address!r}, load_public({str(tmp_path / "keys" / "signing.pub")!r}), {str(tmp_path / "edge")!r}, token={TOKEN!r})
         m.pull({v.id!r})
         # VmHWM, not ru_maxrss: the latter keeps the forking parent's peak across exec
         print([int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM")][0])
@@ -234,17 +253,17 @@ def test_registry_over_tls_with_the_federation_certificates(registry_factory, tm
     registry = registry_factory()
     v = registry.add_version(_new(size=1000))
     address = f"127.0.0.1:{free_port()}"
-    server, stop = serve_registry(registry, address, grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())]))
+    server, stop = serve_registry(registry, address, TOKEN, grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())]))
     try:
         trusted = ModelClient(address, load_public(registry_factory.public_key), tmp_path / "edge",
-                              grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes()))
+                              grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes()), token=TOKEN)
         assert trusted.pull(v.id).manifest["sha256"] == v.sha256
         other_ca, _ = create_ca(tmp_path / "other")
-        stranger = ModelClient(address, load_public(registry_factory.public_key), tmp_path / "edge2", grpc.ssl_channel_credentials(other_ca.read_bytes()))
+        stranger = ModelClient(address, load_public(registry_factory.public_key), tmp_path / "edge2", grpc.ssl_channel_credentials(other_ca.read_bytes()), token=TOKEN)
         with pytest.raises(grpc.RpcError) as err:
             stranger.list()
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        plain = ModelClient(address, load_public(registry_factory.public_key), tmp_path / "edge3")
+        plain = ModelClient(address, load_public(registry_factory.public_key), tmp_path / "edge3", token=TOKEN)
         with pytest.raises(grpc.RpcError):
             plain.list()
     finally:

@@ -21,7 +21,7 @@ from fastapi.responses import FileResponse, HTMLResponse, PlainTextResponse, Str
 from fastapi.templating import Jinja2Templates
 
 from server.dashboard import charts, schemas, services
-from server.registry.service import Registry, TransitionError
+from server.registry.service import Registry, ReleaseKeyError, TransitionError
 
 log = logging.getLogger("fedforge.dashboard")
 
@@ -101,11 +101,18 @@ def create_app(settings: DashboardSettings) -> FastAPI:
             raise HTTPException(404, f"no version {version_id}")
         return detail
 
-    @app.get("/api/v1/versions/{version_id}/download", dependencies=[View], response_class=FileResponse)
+    def downloader(request: Request, token: str | None = Query(default=None, max_length=200)) -> None:
+        if not settings.view_token:
+            raise HTTPException(403, "downloads need the view token: start the dashboard with --view-token (or FEDFORGE_VIEW_TOKEN)")
+        viewer(request, token)
+
+    @app.get("/api/v1/versions/{version_id}/download", dependencies=[Depends(downloader)], response_class=FileResponse)
     def api_download(version_id: VersionId) -> FileResponse:
         v = registry.get_version(version_id)
         if v is None:
             raise HTTPException(404, f"no version {version_id}")
+        if v.status == "revoked":
+            raise HTTPException(410, f"version {version_id} is revoked and is not served")
         return FileResponse(registry.artifacts.path_for(v.sha256), filename=f"{v.id}.npz", media_type="application/octet-stream")
 
     def _act(version_id: str, op: str, body: schemas.ActionIn) -> schemas.VersionOut:
@@ -113,7 +120,7 @@ def create_app(settings: DashboardSettings) -> FastAPI:
             v = getattr(registry, op)(version_id, actor=f"dashboard:{body.actor}", note=body.note)
         except KeyError:
             raise HTTPException(404, f"no version {version_id}") from None
-        except TransitionError as exc:
+        except (TransitionError, ReleaseKeyError) as exc:
             raise HTTPException(409, str(exc)) from None
         log.info("%s %s by dashboard:%s", op, version_id, body.actor)
         return services.version_out(v)

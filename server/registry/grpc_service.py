@@ -1,17 +1,26 @@
-"""``fedforge.v1.ModelRegistry`` over gRPC: how edge nodes list, download and follow model versions."""
+"""``fedforge.v1.ModelRegistry`` over gRPC: how edge nodes list, download and follow model versions.
+
+Only factories may ask: every call carries the registry token (``authorization: Bearer``), checked in
+constant time before any handler runs, and off loopback the service speaks only TLS.
+"""
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
 import re
+import secrets
 import threading
 import time
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 import grpc
 
 from common.rpc.fedforge.v1 import registry_pb2, registry_pb2_grpc
+from server.fleet_proxy import is_loopback
 from server.registry.schema import Version
 from server.registry.service import Registry
 
@@ -29,6 +38,28 @@ def info(v: Version) -> registry_pb2.VersionInfo:
         id=v.id, run_id=v.run_id, server_round=v.server_round, parent_id=v.parent_id or "", kind=v.kind, architecture=v.architecture,
         status=v.status, sha256=v.sha256, size_bytes=v.size_bytes, created_at=v.created_at.isoformat(), secure_aggregation=v.secure_aggregation,
     )
+
+
+class TokenAuth(grpc.ServerInterceptor):
+    """Refuse every call without ``authorization: Bearer <token>`` (UNAUTHENTICATED), before its handler runs."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("the model registry requires a client token (--registry-token or FEDFORGE_REGISTRY_TOKEN)")
+        self.expected = f"Bearer {token}".encode()
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        supplied = dict(details.invocation_metadata or ()).get("authorization", "")
+        handler = continuation(details)
+        if handler is None or hmac.compare_digest(str(supplied).encode(), self.expected):
+            return handler
+
+        def deny(_request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "the model registry requires the registry token ('authorization: Bearer <token>')")
+
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
 
 
 class ModelRegistryServicer(registry_pb2_grpc.ModelRegistryServicer):
@@ -76,17 +107,40 @@ class ModelRegistryServicer(registry_pb2_grpc.ModelRegistryServicer):
                 if v is None or (request.architecture and v.architecture != request.architecture):
                     continue
                 yield registry_pb2.ApprovalEvent(action_id=action.id, version_id=v.id, action=action.action, status=v.status,
-                                                 architecture=v.architecture, at=action.at.isoformat())
+                                                 architecture=v.architecture, at=action.at.isoformat(), release=action.release or 0,
+                                                 statement=action.statement.encode(), signature=action.signature)
             time.sleep(WATCH_POLL_SECONDS)
 
 
-def serve_registry(registry: Registry, address: str, credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, threading.Event]:
+def registry_token(path: Path) -> str:
+    """The federation's registry token in ``path`` (created once, mode 0600): factories present it on every call."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another process made it first
+            return path.read_text().strip()
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+    token = path.read_text().strip()
+    if not token:
+        raise ValueError(f"{path} is empty: delete it to make a new registry token, then give the new one to the factories")
+    return token
+
+
+def serve_registry(registry: Registry, address: str, token: str, credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, threading.Event]:
+    """Serve the registry on ``address`` for callers holding ``token``; plaintext only on loopback."""
+    host = address.rpartition(":")[0].strip("[]")
+    if credentials is None and not is_loopback(host):
+        raise ValueError(f"the model registry on {address} faces the network: serve it with TLS (fedforge server --tls --certs-dir DIR) "
+                         "or listen on 127.0.0.1")
     stop = threading.Event()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), interceptors=[TokenAuth(token)],
+                         options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
     registry_pb2_grpc.add_ModelRegistryServicer_to_server(ModelRegistryServicer(registry, stop), server)
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"model registry could not listen on {address}")
     server.start()
-    log.info("model registry serving on %s", address)
+    log.info("model registry serving on %s (%s, token required)", address, "TLS" if credentials else "plaintext on loopback")
     return server, stop

@@ -98,12 +98,16 @@ class Evaluation(Base):
 
 
 class Action(Base):
-    """Who did what to which version, and when (approve, revoke, rollback)."""
+    """Who did what to which version, and when (approve, revoke, rollback), as a statement signed by the release key."""
 
     __tablename__ = "actions"
+    __table_args__ = (UniqueConstraint("release", name="uq_actions_release"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     version_id: Mapped[str] = mapped_column(ForeignKey("versions.id"), index=True)
     action: Mapped[str] = mapped_column(String(16))
     actor: Mapped[str] = mapped_column(String(128))
     note: Mapped[str] = mapped_column(String(1000), default="")
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    release: Mapped[int | None] = mapped_column(Integer, nullable=True)  # only grows; edges refuse anything not above their last
+    statement: Mapped[str] = mapped_column(Text, default="")  # canonical JSON (common.release.Statement)
+    signature: Mapped[str] = mapped_column(Text, default="")  # the release key's envelope over `statement`

@@ -10,11 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sqlalchemy import create_engine, event, select
+from sqlalchemy import create_engine, event, func, select
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
-from common.signing import canonical, create_keypair, load_private, sign
+from common.release import new_statement, sign_statement
+from common.signing import canonical, create_keypair, key_id, load_private, load_public, sign
 from server.registry.artifacts import ArtifactStore, decode_weights, encode_weights
 from server.registry.migrate import upgrade
 from server.registry.schema import Action, Evaluation, Round, Run, Version, utcnow
@@ -24,6 +26,10 @@ TRANSITIONS = {("candidate", "approved"), ("candidate", "revoked"), ("approved",
 
 class TransitionError(ValueError):
     """The requested status change is not allowed (e.g. approving a revoked version)."""
+
+
+class ReleaseKeyError(PermissionError):
+    """An approval, revocation or rollback without the federation's release key (or with another key)."""
 
 
 def manifest_of(v: Version) -> dict[str, Any]:
@@ -96,24 +102,32 @@ class NewEvaluation:
 
 
 class Registry:
-    def __init__(self, url: str, artifact_dir: str | Path, signing_key: Any = None) -> None:
+    def __init__(self, url: str, artifact_dir: str | Path, signing_key: Any = None, release_key: Any = None, release_public: Any = None) -> None:
         self.engine = make_engine(url)
         upgrade(self.engine)  # Alembic: the schema is always at head
         self.session = sessionmaker(self.engine, expire_on_commit=False)
         self.artifacts = ArtifactStore(artifact_dir)
         self.signing_key = signing_key
+        self.release_key = release_key  # None when the release key lives off this host: pass it to each status change
+        self.release_public = release_public or (release_key.public_key() if release_key is not None else None)
         self._code_version = code_version()
 
     @classmethod
     def at(cls, directory: str | Path, create_key: bool = False) -> Registry:
-        """The default layout: ``<dir>/registry.db``, ``<dir>/artifacts`` and ``<dir>/keys/signing.key``."""
+        """The default layout: ``<dir>/registry.db``, ``<dir>/artifacts``, ``<dir>/keys/signing.key`` and the release
+        key ``<dir>/keys/release.key`` (or only ``release.pub`` when the operator keeps the private half elsewhere)."""
         directory = Path(directory).resolve()
         directory.mkdir(parents=True, exist_ok=True)
-        key_path = directory / "keys" / "signing.key"
-        if create_key and not key_path.exists():
-            create_keypair(key_path.parent)
-        key = load_private(key_path) if key_path.exists() else None
-        return cls(f"sqlite:///{directory / 'registry.db'}", directory / "artifacts", signing_key=key)
+        keys = directory / "keys"
+        if create_key and not (keys / "signing.key").exists():
+            create_keypair(keys)
+        if create_key and not (keys / "release.pub").exists():
+            create_keypair(keys, "release")
+        key = load_private(keys / "signing.key") if (keys / "signing.key").exists() else None
+        release = load_private(keys / "release.key") if (keys / "release.key").exists() else None
+        release_public = load_public(keys / "release.pub") if (keys / "release.pub").exists() else None
+        return cls(f"sqlite:///{directory / 'registry.db'}", directory / "artifacts", signing_key=key, release_key=release,
+                   release_public=release_public)
 
     # runs and rounds -----------------------------------------------------------------------
     def start_run(self, run_id: str, flwr_run_id: str, config: dict[str, Any]) -> Run:
@@ -189,29 +203,49 @@ class Registry:
             return s.scalars(select(Evaluation).where(Evaluation.version_id == version_id).order_by(Evaluation.id.desc()).limit(1)).first()
 
     # status --------------------------------------------------------------------------------
-    def set_status(self, version_id: str, status: str, actor: str, action: str | None = None, note: str = "") -> Version:
-        """Approve or revoke a version, recording who and when; returns the updated version."""
+    def set_status(self, version_id: str, status: str, actor: str, action: str | None = None, note: str = "",
+                   release_key: Any = None) -> Version:
+        """Approve, revoke or roll back a version: one release statement, numbered above every earlier one and signed
+        with the release key (this registry's, or ``release_key`` brought by the operator); returns the updated version."""
         if not actor:
             raise ValueError("every status change names its actor")
-        with self.session.begin() as s:
-            version = s.get(Version, version_id)
-            if version is None:
-                raise KeyError(f"no version {version_id!r} in the registry")
-            if (version.status, status) not in TRANSITIONS:
-                raise TransitionError(f"version {version_id} is {version.status}; it cannot become {status}")
-            version.status = status
-            s.add(Action(version_id=version_id, action=action or {"approved": "approve", "revoked": "revoke"}[status], actor=actor, note=note))
+        key = release_key or self.release_key
+        if key is None:
+            raise ReleaseKeyError("approvals, revocations and rollbacks are signed with the federation's release key, which is not on "
+                                  "this host: pass --release-key FILE (made by `fedforge keys create --name release`)")
+        if self.release_public is not None and key_id(key.public_key()) != key_id(self.release_public):
+            raise ReleaseKeyError(f"this key ({key_id(key.public_key())}) is not the federation's release key ({key_id(self.release_public)}, "
+                                  "keys/release.pub); edges would refuse what it signs")
+        action = action or {"approved": "approve", "revoked": "revoke"}[status]
+        for attempt in range(5):
+            try:
+                with self.session.begin() as s:
+                    version = s.get(Version, version_id)
+                    if version is None:
+                        raise KeyError(f"no version {version_id!r} in the registry")
+                    if (version.status, status) not in TRANSITIONS:
+                        raise TransitionError(f"version {version_id} is {version.status}; it cannot become {status}")
+                    release = (s.scalar(select(func.max(Action.release))) or 0) + 1
+                    at = utcnow()
+                    statement, signature = sign_statement(new_statement(release, version.id, version.sha256, version.architecture, action, actor, at), key)
+                    version.status = status
+                    s.add(Action(version_id=version_id, action=action, actor=actor, note=note, at=at, release=release, statement=statement,
+                                 signature=signature))
+                break
+            except IntegrityError:  # another writer took this release number first: number it again
+                if attempt == 4:
+                    raise
         return self.get_version(version_id)
 
-    def approve(self, version_id: str, actor: str, note: str = "") -> Version:
-        return self.set_status(version_id, "approved", actor, note=note)
+    def approve(self, version_id: str, actor: str, note: str = "", release_key: Any = None) -> Version:
+        return self.set_status(version_id, "approved", actor, note=note, release_key=release_key)
 
-    def revoke(self, version_id: str, actor: str, note: str = "") -> Version:
-        return self.set_status(version_id, "revoked", actor, note=note)
+    def revoke(self, version_id: str, actor: str, note: str = "", release_key: Any = None) -> Version:
+        return self.set_status(version_id, "revoked", actor, note=note, release_key=release_key)
 
-    def rollback(self, version_id: str, actor: str, note: str = "") -> Version:
+    def rollback(self, version_id: str, actor: str, note: str = "", release_key: Any = None) -> Version:
         """Make an older version the current approved one again (it must not be revoked)."""
-        return self.set_status(version_id, "approved", actor, action="rollback", note=note)
+        return self.set_status(version_id, "approved", actor, action="rollback", note=note, release_key=release_key)
 
     def actions(self, after_id: int = 0, version_id: str | None = None) -> list[Action]:
         with self.session() as s:

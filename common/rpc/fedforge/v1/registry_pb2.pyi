@@ -79,17 +79,23 @@ class WatchApprovedRequest(_message.Message):
     def __init__(self, architecture: _Optional[str] = ..., after_action: _Optional[int] = ...) -> None: ...
 
 class ApprovalEvent(_message.Message):
-    __slots__ = ("action_id", "version_id", "action", "status", "architecture", "at")
+    __slots__ = ("action_id", "version_id", "action", "status", "architecture", "at", "release", "statement", "signature")
     ACTION_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     AT_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    STATEMENT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     action_id: int
     version_id: str
     action: str
     status: str
     architecture: str
     at: str
-    def __init__(self, action_id: _Optional[int] = ..., version_id: _Optional[str] = ..., action: _Optional[str] = ..., status: _Optional[str] = ..., architecture: _Optional[str] = ..., at: _Optional[str] = ...) -> None: ...
+    release: int
+    statement: bytes
+    signature: str
+    def __init__(self, action_id: _Optional[int] = ..., version_id: _Optional[str] = ..., action: _Optional[str] = ..., status: _Optional[str] = ..., architecture: _Optional[str] = ..., at: _Optional[str] = ..., release: _Optional[int] = ..., statement: _Optional[bytes] = ..., signature: _Optional[str] = ...) -> None: ...
