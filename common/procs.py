@@ -67,8 +67,62 @@ def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen |
     raise TimeoutError(f"nothing listening on {host}:{port} after {timeout:.0f}s")
 
 
+def detached_descendants(pid: int) -> list[int]:
+    """Processes Flower started for ``pid`` in sessions of their own, found by the ``--parent-pid`` they carry.
+
+    A SuperLink starts its SuperExec detached (``start_new_session``), and the SuperExec starts each
+    ServerApp the same way; they only watch their parent's pid and stop by themselves some time after it
+    died. Killing the parent's process group misses them, so they are looked up here, recursively.
+    """
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "--parent-pid" in argv[:-1]:
+            with contextlib.suppress(ValueError):
+                parents[int(entry.name)] = int(argv[argv.index("--parent-pid") + 1])
+    found, frontier = [], [pid]
+    while frontier:
+        current = frontier.pop()
+        children = [child for child, parent in parents.items() if parent == current and child not in found]
+        found += children
+        frontier += children
+    return found
+
+
+def _stop_detached(pids: list[int], timeout: float = 5.0) -> None:
+    for pid in pids:
+        _kill_group(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.1)
+    for pid in pids:
+        _kill_group(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
-    """SIGTERM the process's group, then SIGKILL it if it has not exited within ``timeout``."""
+    """SIGTERM the process's group, then SIGKILL it if it has not exited within ``timeout``; then whatever Flower
+    detached from it (`detached_descendants`)."""
+    detached = detached_descendants(proc.pid)
+    try:
+        _stop_group(proc, timeout)
+    finally:
+        _stop_detached(detached + [p for p in detached_descendants(proc.pid) if p not in detached])
+
+
+def _stop_group(proc: subprocess.Popen, timeout: float) -> None:
     if proc.poll() is not None:
         _kill_group(proc.pid, signal.SIGKILL)  # reap grandchildren the child left behind
         return
@@ -113,7 +167,9 @@ class ProcessSet:
         return proc
 
     def stop_all(self, timeout: float = 10.0) -> None:
-        """SIGTERM every child's process group at once, give them ``timeout`` seconds together, then SIGKILL what is left."""
+        """SIGTERM every child's process group at once, give them ``timeout`` seconds together, then SIGKILL what is left
+        (what Flower detached from them included)."""
+        detached = [pid for _, proc in self.procs for pid in detached_descendants(proc.pid)]
         for name, proc in reversed(self.procs):
             log.debug("stopping %s (pid %d)", name, proc.pid)
             _kill_group(proc.pid, signal.SIGTERM if proc.poll() is None else signal.SIGKILL)
@@ -122,7 +178,8 @@ class ProcessSet:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(max(0.0, deadline - time.monotonic()))
         for _, proc in reversed(self.procs):
-            stop_process(proc, timeout=0.0)  # reap, and SIGKILL the group of anything still running
+            _stop_group(proc, timeout=0.0)  # reap, and SIGKILL the group of anything still running
+        _stop_detached(detached)
         self.procs.clear()
 
     def dead(self) -> list[tuple[str, int]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -37,7 +38,18 @@ def no_leftover_processes():
     deadline = time.monotonic() + 15
     while (left := federation_pids() - before) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not left, f"processes left running: {left}"
+    if left:
+        def cmdline(pid: int) -> str:
+            try:
+                return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+            except OSError:
+                return "(gone)"
+
+        described = {pid: cmdline(pid) for pid in left}
+        for pid in left:  # never let one test's leftovers disturb the next
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+        pytest.fail(f"processes left running: {described}")
 
 
 @pytest.fixture(autouse=True)

@@ -287,7 +287,7 @@ def test_distillation_into_the_pretrained_head_over_cached_proxy_features(tmp_pa
 @pytest.mark.slow
 @pytest.mark.usefixtures("no_leftover_processes")
 def test_demo_distills_across_two_architectures(tmp_path):
-    """`fedforge demo --distill --architectures cnn-small,cnn-medium` over real processes; each group improves.
+    """`fedforge demo --distill --architectures cnn-small,effnet-lite0` over real processes; each group improves.
 
     Two factories, one per architecture, in plain rounds (a group of one sends predictions only under
     secure aggregation, see the test above): each group's line gets a version per round, and the
@@ -296,7 +296,7 @@ def test_demo_distills_across_two_architectures(tmp_path):
     summary_path = tmp_path / "summary.json"
     proc = subprocess.run(fedforge_command() + [
         "demo", "--factories", "2", "--rounds", "2", "--local-epochs", "3", "--train-size", "300", "--distill", "--no-secure",
-        "--architectures", "cnn-small,cnn-medium", "--min-factories", "2", "--set", "proxy-size=120", "--set", "distill-epochs=5",
+        "--architectures", "cnn-small,effnet-lite0", "--min-factories", "2", "--set", "proxy-size=120", "--set", "distill-epochs=5",
         "--set", "personal-epochs=0", "--set", "server-optimizer=fedavg", "--set", "lr-schedule=constant",  # from-scratch CNNs, 2 rounds
         "--workdir", str(tmp_path / "demo"), "--json", str(summary_path),
     ], capture_output=True, text=True, timeout=900, check=False)
@@ -304,14 +304,14 @@ def test_demo_distills_across_two_architectures(tmp_path):
     summary = json.loads(summary_path.read_text())
     assert summary["status"] == "finished" and [r["status"] for r in summary["rounds"]] == ["completed", "completed"]
     groups = summary["architectures"]
-    assert set(groups) == {"cnn-small", "cnn-medium"}
+    assert set(groups) == {"cnn-small", "effnet-lite0"}
     for arch, g in groups.items():
         assert g["versions"] == 3, (arch, g)
         assert g["final_accuracy"] > g["initial_accuracy"] + 0.05, (arch, g)
     lines = {arch: [v for v in summary["versions"] if v["architecture"] == arch] for arch in groups}
     for line in lines.values():  # each architecture is its own lineage
         assert [v["parent"] for v in line] == [None, line[0]["id"], line[1]["id"]]
-    assert "cnn-medium" in proc.stderr
+    assert "effnet-lite0" in proc.stderr
     # The dashboard's run page shows each architecture's accuracy and the distillation decision per round.
     from fastapi.testclient import TestClient
 
@@ -321,5 +321,5 @@ def test_demo_distills_across_two_architectures(tmp_path):
         page = client.get(f"/runs/{summary['run_id']}")
     assert page.status_code == 200
     groups_cells = page.text.count('<td class="groups">')
-    assert groups_cells == 2 and page.text.count("cnn-medium 0.") == 2 and page.text.count("cnn-small 0.") == 2
+    assert groups_cells == 2 and page.text.count("effnet-lite0 0.") == 2 and page.text.count("cnn-small 0.") == 2
     assert "distilled" in page.text and ("kept" in page.text or "dropped" in page.text)
