@@ -27,7 +27,8 @@ from client.workers import WorkerGroupError
 from common.data.folder import DatasetError
 from common.distill import ProxyCache, ProxySet, ProxySetError
 from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
-from common.secagg.layout import Contribution, SecureLayout
+from common.secagg.layout import Contribution
+from common.secagg.messages import Advertise, Boxes, MaskedInput, Share, Shares, Unmask
 from common.secagg.update import flatten
 from common.secagg.wire import from_values, to_values
 from common.tensors import UpdateError, from_tensor, from_tensors, to_tensor, to_tensors
@@ -57,9 +58,9 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
         with self._lock, _status_on_error(context, "train"):
             config = _config(request.config)
             self._check_architecture(config)
-            secure = from_values(request.secagg) if request.secagg else None
+            secure = MaskedInput.from_fields(from_values(request.secagg)) if request.secagg else None
             self._require_secure(secure, "train")
-            session = self.sessions.get(secure["session"].encode()) if secure else None  # before training: fail fast
+            session = self.sessions.get(secure.session.encode()) if secure else None  # before training: fail fast
             proxy = self._proxy_for(config)  # likewise: a distillation round needs the proxy set already here
             send_weights = bool(config.get("send-weights", True))
             global_weights = from_tensors(request.weights)
@@ -84,17 +85,16 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
                 return reply
             # Secure round: only the masked, clipped, fixed-point vector leaves the agent (plus the privacy
             # spend, and this factory's own figures when it chose --share-metrics).
-            session.receive_boxes(dict(zip(secure["from"], secure["boxes"])))
-            layout = SecureLayout.from_fields(secure)
+            session.receive_boxes(secure.routed())
             architecture = str(config.get("architecture"))
             contribution = Contribution(architecture if send_weights else None, global_weights, local.weights, local.examples,
                                         predictions, confusion, architecture, metrics)
-            encoded, _ = layout.encode(contribution, secure["clip"], secure["scale"], int(secure["max-weight"]))
-            masked = session.mask(encoded, list(secure["alive"]))
+            encoded, _ = secure.layout.encode(contribution, secure.clip, secure.scale, secure.max_weight)
+            masked = session.mask(encoded, secure.alive)
             shared = {**metrics, **self._own(local)} if self.trainer.cfg.share_metrics else {}
             return edge_pb2.TrainReply(factory_id=factory_id, masked=to_tensor("masked", masked), metrics={**local.privacy, **shared})
 
-    def _require_secure(self, secure: dict[str, Any] | None, what: str) -> None:
+    def _require_secure(self, secure: MaskedInput | None, what: str) -> None:
         """A factory that requires secure aggregation answers only inside a secure sum, whatever the server asks."""
         if secure is None and self.trainer.cfg.require_secure_aggregation:
             raise PolicyRefusal(f"factory {self.trainer.cfg.factory_id} requires secure aggregation: a {what} request without it is refused "
@@ -131,40 +131,36 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
     def SecAgg(self, request: edge_pb2.SecAggRequest, context: grpc.ServicerContext) -> edge_pb2.SecAggReply:
         with self._lock, _status_on_error(context, f"secagg {request.stage}"):
             f = from_values(request.fields)
-            session = str(f.get("session", "")).encode()
             if request.stage == "advertise":
-                out: dict = self.sessions.start(session, int(f["slot"]), int(f["threshold"])).advertise()
+                advertise = Advertise.from_fields(f)
+                out = self.sessions.start(advertise.session.encode(), advertise.slot, advertise.threshold).advertise()
             elif request.stage == "share":
-                boxes = self.sessions.get(session).share_keys(list(f["neighbors"]), list(f["enc-pks"]), list(f["mask-pks"]))
-                out = {"to": list(boxes), "boxes": list(boxes.values())}
+                share = Share.from_fields(f)
+                out = Boxes.of(self.sessions.get(share.session.encode()).share_keys(share.neighbors, share.enc_pks, share.mask_pks))
             elif request.stage == "unmask":
-                seeds, keys = self.sessions.get(session).unmask(list(f["survivors"]), list(f["dropped"]))
-                out = {
-                    "seed-slots": list(seeds), "seed-index": [i for i, _ in seeds.values()], "seed-shares": [s for _, s in seeds.values()],
-                    "key-slots": list(keys), "key-index": [i for i, _ in keys.values()], "key-shares": [s for _, s in keys.values()],
-                }
+                unmask = Unmask.from_fields(f)
+                out = Shares.of(*self.sessions.get(unmask.session.encode()).unmask(unmask.survivors, unmask.dropped))
             else:
                 raise SecAggProtocolError(f"unknown secure-aggregation stage {request.stage!r}")
-            return edge_pb2.SecAggReply(factory_id=self.trainer.cfg.factory_id, fields=to_values(out))
+            return edge_pb2.SecAggReply(factory_id=self.trainer.cfg.factory_id, fields=to_values(out.to_fields()))
 
     def Evaluate(self, request: edge_pb2.EvaluateRequest, context: grpc.ServicerContext) -> edge_pb2.EvaluateReply:
         with self._lock, _status_on_error(context, "evaluate"):
             config = _config(request.config)
             self._check_architecture(config)
-            secure = from_values(request.secagg) if request.secagg else None
+            secure = MaskedInput.from_fields(from_values(request.secagg)) if request.secagg else None
             self._require_secure(secure, "evaluate")
-            session = self.sessions.get(secure["session"].encode()) if secure else None
+            session = self.sessions.get(secure.session.encode()) if secure else None
             result = self.trainer.evaluate(from_tensors(request.weights), config)
             factory_id = self.trainer.cfg.factory_id
             own = {"held-out-accuracy": result.accuracy, "held-out-loss": result.loss} if self.trainer.cfg.share_metrics else {}
             if session is None:
                 return edge_pb2.EvaluateReply(factory_id=factory_id, num_examples=result.examples, metrics=own,
                                               confusion=to_tensor("confusion", result.confusion))
-            session.receive_boxes(dict(zip(secure["from"], secure["boxes"])))
-            layout = SecureLayout.from_fields(secure)
+            session.receive_boxes(secure.routed())
             contribution = Contribution(num_examples=result.examples, confusion=result.confusion, confusion_group=str(config.get("architecture")))
-            encoded, _ = layout.encode(contribution, secure["clip"], secure["scale"], int(secure["max-weight"]))
-            return edge_pb2.EvaluateReply(factory_id=factory_id, masked=to_tensor("masked", session.mask(encoded, list(secure["alive"]))), metrics=own)
+            encoded, _ = secure.layout.encode(contribution, secure.clip, secure.scale, secure.max_weight)
+            return edge_pb2.EvaluateReply(factory_id=factory_id, masked=to_tensor("masked", session.mask(encoded, secure.alive)), metrics=own)
 
     def Describe(self, request: edge_pb2.DescribeRequest, context: grpc.ServicerContext) -> edge_pb2.DescribeReply:
         with _status_on_error(context, "describe"):

@@ -18,6 +18,7 @@ from flwr.clientapp import ClientApp
 from google.protobuf import struct_pb2
 
 from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
+from common.secagg.messages import NEXT_RECORD, RECORD, STAGES
 from common.secagg.wire import from_values, to_values
 from common.tensors import from_tensor, from_tensors, to_tensor, to_tensors
 
@@ -97,9 +98,9 @@ def _next_session_stage(msg: Message, context: Context) -> dict[str, ConfigRecor
     A failure here only means this factory is not in the next round's prepared session (the server then
     exchanges keys afresh), so it is logged and never fails the message it rode on.
     """
-    if "secagg-next" not in msg.content:
+    if NEXT_RECORD not in msg.content:
         return {}
-    fields = dict(msg.content["secagg-next"])
+    fields = dict(msg.content[NEXT_RECORD])
     stage = str(fields.pop("stage", ""))
     if stage not in _AHEAD_STAGES:
         log.warning("ignored a next-round secure-aggregation stage %r (expected one of %s)", stage, _AHEAD_STAGES)
@@ -109,14 +110,14 @@ def _next_session_stage(msg: Message, context: Context) -> dict[str, ConfigRecor
     except RuntimeError as exc:  # AgentUnavailable, or the in-process servicer's refusal
         log.warning("next round's secure-aggregation %s failed; this factory joins the next round's own key exchange: %s", stage, exc)
         return {}
-    return {"secagg-next": ConfigRecord(from_values(reply.fields))}
+    return {NEXT_RECORD: ConfigRecord(from_values(reply.fields))}
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     ahead = _next_session_stage(msg, context)
     tensors, config, server_round = _request_parts(msg)
-    secagg = to_values(dict(msg.content["secagg"])) if "secagg" in msg.content else {}
+    secagg = to_values(dict(msg.content[RECORD])) if RECORD in msg.content else {}
     request = edge_pb2.TrainRequest(run_id=str(context.run_id), server_round=server_round, weights=tensors, config=config, secagg=secagg)
     reply = _call(context, "Train", request)
     if reply.HasField("masked"):  # secure round: the masked vector is all that leaves the factory
@@ -160,7 +161,7 @@ def proxy(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     ahead = _next_session_stage(msg, context)
     tensors, config, server_round = _request_parts(msg)
-    secagg = to_values(dict(msg.content["secagg"])) if "secagg" in msg.content else {}
+    secagg = to_values(dict(msg.content[RECORD])) if RECORD in msg.content else {}
     request = edge_pb2.EvaluateRequest(run_id=str(context.run_id), server_round=server_round, weights=tensors, config=config, secagg=secagg)
     reply = _call(context, "Evaluate", request)
     content = RecordDict({"metrics": MetricRecord({**dict(reply.metrics), "num-examples": int(reply.num_examples)}),
@@ -174,12 +175,12 @@ def evaluate(msg: Message, context: Context) -> Message:
 
 def _secagg_stage(stage: str):  # type: ignore[no-untyped-def]
     def handle(msg: Message, context: Context) -> Message:
-        reply = _secagg(context, stage, dict(msg.content["secagg"]))
-        content = RecordDict({"secagg": ConfigRecord(from_values(reply.fields)), "info": ConfigRecord({"factory-id": reply.factory_id}),
+        reply = _secagg(context, stage, dict(msg.content[RECORD]))
+        content = RecordDict({RECORD: ConfigRecord(from_values(reply.fields)), "info": ConfigRecord({"factory-id": reply.factory_id}),
                               **_next_session_stage(msg, context)})
         return Message(content=content, reply_to=msg)
     return handle
 
 
-for _stage in ("advertise", "share", "unmask"):
+for _stage in STAGES:
     app.query(f"secagg_{_stage}")(_secagg_stage(_stage))

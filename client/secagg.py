@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from common.secagg.messages import Keys
 from common.secagg.primitives import (
     ShareBoxError,
     SharePair,
@@ -89,9 +90,9 @@ class SecAggClient:
         self.answered_unmask = False
 
     # stage 1 -------------------------------------------------------------------------------
-    def advertise(self) -> dict[str, bytes]:
+    def advertise(self) -> Keys:
         """Public keys, and a commitment to the self-mask seed (the server checks the seed it recovers against it)."""
-        return {"enc-pk": self._enc_pk, "mask-pk": self._mask_pk, "seed-commit": seed_commitment(self._seed, self.session, self.slot)}
+        return Keys(self._enc_pk, self._mask_pk, seed_commitment(self._seed, self.session, self.slot))
 
     # stage 2 -------------------------------------------------------------------------------
     def share_keys(self, neighbors: list[int], enc_pks: list[bytes], mask_pks: list[bytes]) -> dict[int, bytes]:

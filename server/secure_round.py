@@ -24,6 +24,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from common.distill import ensemble_of
 from common.secagg.layout import SecureLayout, Sums, apply_group_sum
+from common.secagg.messages import NEXT_RECORD, RECORD, MaskedInput, MessageError, Shares, Unmask
 from common.secagg.primitives import session_id
 from common.tensors import check_like
 from server.config import FederationConfig
@@ -110,16 +111,16 @@ class SecureRounds:
             if keyed is None:
                 keyed = self._exchange_keys(plan.server_round, nodes, threshold, failures)
             secure, node_of, slot_of = keyed.secure, keyed.node_of, keyed.slot_of
-            base = {"session": secure.session.decode()}
+            session = secure.session.decode()
             ahead = self._open_next_session(plan.server_round, nodes) if key_next else None
-            common = {**base, "alive": secure.u2, "clip": float(cfg.update_clip), "scale": float(cfg.secagg_scale), "max-weight": cfg.max_weight,
-                      **layout.fields()}
 
             def masked_message(node: int) -> RecordDict:
                 record = content(node)
-                record["secagg"] = ConfigRecord({**common, "from": list(keyed.routed[slot_of[node]]), "boxes": list(keyed.routed[slot_of[node]].values())})
+                boxes = keyed.routed[slot_of[node]]
+                record[RECORD] = ConfigRecord(MaskedInput(session, secure.u2, float(cfg.update_clip), float(cfg.secagg_scale), int(cfg.max_weight),
+                                                          list(boxes), list(boxes.values()), layout).to_fields())
                 if ahead is not None:  # the next phase's key advertisement rides on this message
-                    record["secagg-next"] = ConfigRecord({"stage": "advertise", **ahead.advertise_request(node)})
+                    record[NEXT_RECORD] = ConfigRecord({"stage": "advertise", **ahead.advertise_request(node)})
                 return record
 
             present = set(nodes)  # a session member that has disconnected is not sent anything: it counts as dropped
@@ -162,10 +163,10 @@ class SecureRounds:
                 raise RoundAborted(f"{len(survivors)} masked inputs, {cfg.min_factories} required", failures, participants)
 
             def unmask_message(node: int) -> RecordDict:
-                record = RecordDict({"secagg": ConfigRecord({**base, "survivors": survivors, "dropped": dropped})})
+                record = RecordDict({RECORD: ConfigRecord(Unmask(session, survivors, dropped).to_fields())})
                 share = ahead.share_request(node) if ahead is not None else None
                 if share is not None:  # the next phase's share distribution rides on this message
-                    record["secagg-next"] = ConfigRecord({"stage": "share", **share})
+                    record[NEXT_RECORD] = ConfigRecord({"stage": "share", **share})
                 return record
 
             replies = m.exchange([node_of[s] for s in survivors], "query.secagg_unmask", plan.server_round, unmask_message, cfg.secagg_timeout, failures)
@@ -210,8 +211,8 @@ class SecureRounds:
         def stage(name: str, request: Any) -> dict[int, dict[str, Any]]:
             requests = {n: fields for n in nodes if (fields := request(n)) is not None}
             replies = self.messenger.exchange(list(requests), f"query.secagg_{name}", server_round,
-                                              lambda node: RecordDict({"secagg": ConfigRecord(requests[node])}), self.cfg.secagg_timeout, failures)
-            return {node: dict(r.content["secagg"]) for node, r in replies.items()}
+                                              lambda node: RecordDict({RECORD: ConfigRecord(requests[node])}), self.cfg.secagg_timeout, failures)
+            return {node: dict(r.content[RECORD]) for node, r in replies.items() if RECORD in r.content}
 
         exchange.add_public_keys(stage("advertise", exchange.advertise_request))
         return exchange.finish(stage("share", exchange.share_request))
@@ -240,17 +241,13 @@ def _unmask_answers(replies: dict[int, Message], failures: dict[str, str], messe
     out = {}
     for slot, reply in replies.items():
         try:
-            r = dict(reply.content["secagg"])
-            columns = [r["seed-slots"], r["seed-index"], r["seed-shares"], r["key-slots"], r["key-index"], r["key-shares"]]
-            if len(columns[0]) != len(columns[1]) or len(columns[1]) != len(columns[2]) or len(columns[3]) != len(columns[4]) or \
-                    len(columns[4]) != len(columns[5]):
-                raise ValueError("share columns of different lengths")
-            out[slot] = ({int(u): (i, s) for u, i, s in zip(*columns[:3])}, {int(u): (i, s) for u, i, s in zip(*columns[3:])})
-        except (KeyError, TypeError, ValueError) as exc:
+            shares = Shares.from_fields(dict(reply.content[RECORD]))
+            out[slot] = (shares.seeds(), shares.keys())
+        except (KeyError, MessageError) as exc:
             failures[messenger.name(node_of[slot])] = f"malformed unmask answer: {exc}"
     return out
 
 
 def _ahead_fields(replies: dict[int, Message]) -> dict[int, dict[str, Any]]:
     """The next session's stage answers that rode on these replies, by node."""
-    return {node: dict(r.content["secagg-next"]) for node, r in replies.items() if "secagg-next" in r.content}
+    return {node: dict(r.content[NEXT_RECORD]) for node, r in replies.items() if NEXT_RECORD in r.content}

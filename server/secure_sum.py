@@ -17,6 +17,7 @@ from functools import cached_property
 
 import numpy as np
 
+from common.secagg.messages import Advertise, Boxes, Keys, MessageError, Share
 from common.secagg.primitives import X25519PrivateKey, agree, check_public_key, expand_mask, public_bytes, recover_secret, seed_commitment
 
 log = logging.getLogger("fedforge.server.secagg")
@@ -81,22 +82,22 @@ class SecureSum:
             raise SecAggAborted(f"secure aggregation aborted at {stage}: {len(alive)} factories left, threshold {self.threshold}")
 
     # stage 1 -> 2 -----------------------------------------------------------------------------
-    def add_public_keys(self, keys: dict[int, dict[str, object]]) -> dict[int, tuple[list[int], list[bytes], list[bytes]]]:
+    def add_public_keys(self, keys: dict[int, Keys]) -> dict[int, tuple[list[int], list[bytes], list[bytes]]]:
         """Record each slot's public keys and seed commitment; return for each live factory its neighbours and their keys.
 
         Malformed or low-order keys, or a missing commitment, leave that slot out of the session (a dropout).
         """
         for slot, advertised in keys.items():
-            enc, mask, commit = advertised.get("enc-pk"), advertised.get("mask-pk"), advertised.get("seed-commit")
+            enc, mask, commit = advertised.enc_pk, advertised.mask_pk, advertised.seed_commit
             try:
-                check_public_key(enc)  # type: ignore[arg-type]
-                check_public_key(mask)  # type: ignore[arg-type]
+                check_public_key(enc)
+                check_public_key(mask)
                 if not isinstance(commit, bytes) or len(commit) != 32:
                     raise ValueError("no 32-byte seed commitment")
             except ValueError as exc:
                 log.warning("slot %d advertised unusable keys (%s); it is left out of the session", slot, exc)
                 continue
-            self.enc_pks[slot], self.mask_pks[slot], self.seed_commits[slot] = enc, mask, commit  # type: ignore[assignment]
+            self.enc_pks[slot], self.mask_pks[slot], self.seed_commits[slot] = enc, mask, commit
         u1 = sorted(self.enc_pks)
         self._require(u1, "key advertisement")
         degree = min(self.degree, len(u1) - 1)
@@ -223,12 +224,13 @@ class KeyExchange(SessionMembers):
         return cls(SecureSum(session, list(node_of), threshold, degree or len(nodes) - 1), node_of)
 
     def advertise_request(self, node: int) -> dict[str, object]:
-        return {"session": self.secure.session.decode(), "slot": self.slot_of[node], "threshold": self.secure.threshold}
+        return Advertise(self.secure.session.decode(), self.slot_of[node], self.secure.threshold).to_fields()
 
     def add_public_keys(self, answers: dict[int, dict[str, object]]) -> None:
-        """Record the keys that came back and plan the share stage."""
+        """Record the keys that came back and plan the share stage (a malformed answer leaves its node out)."""
         slot_of = self.slot_of
-        self.plan = self.secure.add_public_keys({slot_of[n]: a for n, a in answers.items() if n in slot_of})
+        self.plan = self.secure.add_public_keys({slot_of[n]: keys for n, a in answers.items() if n in slot_of
+                                                 and (keys := _parsed(Keys, a, slot_of[n])) is not None})
 
     def share_request(self, node: int) -> dict[str, object] | None:
         """The share request for ``node``, or None if it did not advertise keys."""
@@ -236,11 +238,20 @@ class KeyExchange(SessionMembers):
         if slot not in self.plan:
             return None
         neighbours, enc_pks, mask_pks = self.plan[slot]
-        return {"session": self.secure.session.decode(), "neighbors": neighbours, "enc-pks": enc_pks, "mask-pks": mask_pks}
+        return Share(self.secure.session.decode(), neighbours, enc_pks, mask_pks).to_fields()
 
     def finish(self, answers: dict[int, dict[str, object]]) -> KeyedSession:
         """Route the share boxes that came back: the session, ready for masked inputs."""
         slot_of = self.slot_of
-        routed = self.secure.add_share_boxes({slot_of[n]: dict(zip(a["to"], a["boxes"])) for n, a in answers.items()  # type: ignore[call-overload]
-                                              if n in slot_of and "to" in a and "boxes" in a})
+        routed = self.secure.add_share_boxes({slot_of[n]: boxes.routed() for n, a in answers.items()
+                                              if n in slot_of and (boxes := _parsed(Boxes, a, slot_of[n])) is not None})
         return KeyedSession(self.secure, self.node_of, routed)
+
+
+def _parsed(kind: type, fields: dict[str, object], slot: int):  # type: ignore[no-untyped-def]
+    """The typed answer, or None (logged) when it is malformed: that slot then counts as dropped."""
+    try:
+        return kind.from_fields(fields)
+    except MessageError as exc:
+        log.warning("slot %d: %s; it is left out of the session", slot, exc)
+        return None

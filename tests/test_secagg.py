@@ -106,7 +106,7 @@ def _trio(session: bytes):
     boxes = {}
     for i, c in clients.items():
         others = [j for j in clients if j != i]
-        boxes[i] = c.share_keys(others, [clients[j].advertise()["enc-pk"] for j in others], [clients[j].advertise()["mask-pk"] for j in others])
+        boxes[i] = c.share_keys(others, [clients[j].advertise().enc_pk for j in others], [clients[j].advertise().mask_pk for j in others])
     return clients, boxes
 
 
@@ -123,7 +123,7 @@ def test_replayed_or_redirected_box_is_rejected():
 
 def test_client_refuses_to_reveal_both_secrets_of_one_factory():
     client = SecAggClient(b"s", 1, 2)
-    client.share_keys([2, 3], [SecAggClient(b"s", 2, 2).advertise()["enc-pk"]] * 2, [SecAggClient(b"s", 3, 2).advertise()["mask-pk"]] * 2)
+    client.share_keys([2, 3], [SecAggClient(b"s", 2, 2).advertise().enc_pk] * 2, [SecAggClient(b"s", 3, 2).advertise().mask_pk] * 2)
     client.mask(np.zeros(4, np.uint64), [1, 2, 3])
     with pytest.raises(SecAggProtocolError, match="both"):
         client.unmask([1, 2], [2])
@@ -189,3 +189,24 @@ def test_quantization_roundtrip_and_clipping():
     assert norm == 5.0 and np.isclose(np.linalg.norm(clipped), 1.0)
     with pytest.raises(OverflowError):
         quantize.encode(np.array([np.inf]))
+
+
+def test_every_stage_message_round_trips_and_a_malformed_field_is_named():
+    """One typed schema for the server, the ClientApp and the agent; through the agent's wire encoding and back."""
+    from common.secagg.layout import SecureLayout
+    from common.secagg.messages import Advertise, Boxes, Keys, MaskedInput, MessageError, Share, Shares, Unmask
+    from common.secagg.wire import from_values, to_values
+
+    layout = SecureLayout.of({"cnn-small": 10}, 0, 6, ["cnn-small"], True)
+    messages = [Advertise("s", 1, 3), Keys(b"e" * 32, b"m" * 32, b"c" * 32), Share("s", [2, 3], [b"a", b"b"], [b"c", b"d"]),
+                Boxes.of({2: b"x", 3: b"y"}), MaskedInput("s", [1, 2, 3], 10.0, 65536.0, 500, [2, 3], [b"x", b"y"], layout),
+                Unmask("s", [1, 2], [3]), Shares.of({1: (1, b"s" * 32)}, {3: (1, b"k" * 32)})]
+    for message in messages:
+        again = type(message).from_fields(from_values(to_values(message.to_fields())))
+        assert again == message, type(message).__name__
+    with pytest.raises(MessageError, match="secagg unmask: field 'dropped' is missing"):
+        Unmask.from_fields({"session": "s", "survivors": [1]})
+    with pytest.raises(MessageError, match="secagg share: field 'neighbors' must be ints"):
+        Share.from_fields({"session": "s", "neighbors": [b"2"], "enc-pks": [b"a"], "mask-pks": [b"b"]})
+    with pytest.raises(MessageError, match="share columns of different lengths"):
+        Shares.from_fields({"seed-slots": [1, 2], "seed-index": [1], "seed-shares": [b"s"], "key-slots": [], "key-index": [], "key-shares": []})

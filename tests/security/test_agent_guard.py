@@ -25,7 +25,7 @@ from common.secagg.layout import SecureLayout
 from common.secagg.primitives import recover_secret, seed_commitment
 from common.secagg.wire import from_values, to_values
 from common.tensors import to_tensors
-from server.secure_sum import SecAggAborted, SecureSum
+from server.secure_sum import KeyExchange, SecAggAborted, SecureSum
 from tests.test_server_rounds import _task_identity  # noqa: F401 - the autouse fixture Flower messages need
 
 ARCH = "cnn-small"
@@ -177,9 +177,9 @@ def test_low_order_keys_and_malformed_boxes_make_a_dropout_never_a_crash(six):
     routed[1][3] = routed[1][3][:-1] + bytes([routed[1][3][-1] ^ 1])  # a tampered one
     reply = six.train(1, session, [1, 2, 3, 4, 5], routed[1])
     assert reply.HasField("masked")  # still masks with 2..5; the missing shares only cost redundancy
-    server = SecureSum(session.encode(), [1, 2, 3, 4, 5, 6], 4, 5)
-    server.add_public_keys(keys)
-    assert 6 not in server.mask_pks  # the server leaves it out too
+    exchange = KeyExchange.of(session.encode(), [1, 2, 3, 4, 5, 6], 4, 5)  # the server's side, from the same wire answers
+    exchange.add_public_keys(keys)
+    assert 6 not in exchange.secure.mask_pks and set(exchange.secure.mask_pks) == {1, 2, 3, 4, 5}  # it leaves slot 6 out too
 
 
 def test_a_forged_share_never_silently_corrupts_the_sum():
