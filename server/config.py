@@ -65,8 +65,8 @@ class FederationConfig:
     lr_schedule: str = "cosine"  # "cosine": the local learning rate decays over the run's rounds, from lr to lr / 10
     federated_evaluation: bool = True  # factories evaluate the model they receive; one evaluate-only phase after the last round
     secure_aggregation: bool = True
-    secagg_threshold: int = 0  # 0: max(2, ceil(2n/3)) of the n sampled factories
-    secagg_degree: int = 0  # neighbours per factory; 0: everyone (complete graph)
+    secagg_threshold: int = 0  # 0: max(2, ceil(2m/3)) of a factory's neighbourhood of m (itself and its neighbours)
+    secagg_degree: int = 0  # neighbours per factory (even: a circulant graph); 0: everyone (complete graph)
     secagg_timeout: float = 120.0  # per key-exchange / unmask stage
     update_clip: float = 10.0  # L2 bound on each factory's update before masking
     secagg_scale: float = 2.0**24  # fixed-point scale
@@ -92,6 +92,9 @@ class FederationConfig:
     def __post_init__(self) -> None:
         if self.distill not in DISTILL_MODES:
             raise ValueError(f"distill must be one of {DISTILL_MODES}, got {self.distill!r}")
+        if self.secagg_degree < 0 or self.secagg_degree % 2:
+            raise ValueError(f"secagg-degree must be 0 (complete graph) or an even number of neighbours (a circulant graph links each "
+                             f"factory to as many on each side), got {self.secagg_degree}")
         if self.distill_every < 1:
             raise ValueError(f"distill-every must be >= 1, got {self.distill_every}")
         if self.lr_schedule not in LR_SCHEDULES:

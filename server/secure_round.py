@@ -47,7 +47,10 @@ class SecureRounds:
         self._pipelined: KeyedSession | None = None  # the next phase's session, keyed during this one
 
     def threshold(self, n: int) -> int:
-        return self.cfg.secagg_threshold or max(2, math.ceil(2 * n / 3))
+        """Shares needed to recover a secret: two thirds of a factory's neighbourhood (itself and its neighbours), which
+        the factories' own floor (more than half of it) accepts; with a sparse graph the neighbourhood, not the round, counts."""
+        neighbourhood = min(self.cfg.secagg_degree, n - 1) + 1 if self.cfg.secagg_degree else n
+        return self.cfg.secagg_threshold or max(2, math.ceil(2 * neighbourhood / 3))
 
     # a training round -------------------------------------------------------------------------
     def train(self, plan: RoundPlan, failures: dict[str, str], key_next: bool) -> RoundResult:
@@ -163,7 +166,10 @@ class SecureRounds:
                 raise RoundAborted(f"{len(survivors)} masked inputs, {cfg.min_factories} required", failures, participants)
 
             def unmask_message(node: int) -> RecordDict:
-                record = RecordDict({RECORD: ConfigRecord(Unmask(session, survivors, dropped).to_fields())})
+                slot = slot_of[node]  # each factory answers only for its own neighbourhood (SecAgg+ on a sparse graph)
+                around = set(secure.graph.get(slot, ())) | {slot}
+                record = RecordDict({RECORD: ConfigRecord(Unmask(session, [s for s in survivors if s in around],
+                                                                 [d for d in dropped if d in around]).to_fields())})
                 share = ahead.share_request(node) if ahead is not None else None
                 if share is not None:  # the next phase's share distribution rides on this message
                     record[NEXT_RECORD] = ConfigRecord({"stage": "share", **share})

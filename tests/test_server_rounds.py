@@ -223,3 +223,47 @@ def test_a_refused_next_round_stage_never_fails_the_message_it_rides_on(tmp_path
         assert client_app._next_session_stage(bogus, context) == {}  # only key stages may ride ahead
     finally:
         agent.stop(0)
+
+
+def test_sparse_secagg_graph_survives_a_dropout_and_factories_answer_only_for_neighbours(tmp_path):
+    """SecAgg+ on a 4-regular graph of 7 factories: factory-6 shares keys, then drops before its masked input. Each
+    survivor is asked to unmask only its own neighbourhood (factories that are not factory-6's neighbours are never
+    told about it), the threshold is two thirds of a neighbourhood, and the sum of the survivors comes out exact."""
+    agents = [serve(AgentConfig(factory_id=f"factory-{i}", listen=f"127.0.0.1:{free_port()}", factory_index=i, num_factories=7, train_size=40,
+                                architecture="cnn-small", state_dir=str(tmp_path / "factories" / f"factory-{i}"))) for i in range(7)]
+    recorded: dict[str, list] = {}
+    unmask_requests: dict[str, dict] = {}
+    drops = lambda msg, factory_id: factory_id == "factory-6" and msg.metadata.message_type == "train"
+
+    def watching(node):
+        def handle(msg):
+            if msg.metadata.message_type == "query.secagg_unmask":
+                unmask_requests[node.__name__] = dict(msg.content["secagg"])
+            return node(msg)
+        return handle
+
+    nodes = {}
+    for i, agent in enumerate(agents):
+        handler = agent_node(agent, recorded, drops)
+        handler.__name__ = f"factory-{i}"
+        nodes[i + 1] = watching(handler)
+    cfg = _config(tmp_path, num_server_rounds=1, secure_aggregation=True, secagg_degree=4, round_timeout=5, secagg_timeout=5,
+                  federated_evaluation=False, architecture="cnn-small", min_factories=4, expected_factories=7)
+    try:
+        Federation(ScriptedGrid(nodes), cfg, flwr_run_id="47").run()
+        examples = {a.trainer.cfg.factory_id: len(a.trainer.data.split(DataRequest()).train) for a in agents}
+    finally:
+        for agent in agents:
+            agent.stop(0)
+    (round_,) = Registry.at(tmp_path).rounds("run-47")
+    assert round_.status == "completed", round_.metrics
+    assert "factory-6" in round_.failures and len(round_.participants) == 6
+    assert round_.metrics["total-examples"] == sum(n for name, n in examples.items() if name != "factory-6")  # every mask removed
+    told_dropped = {name for name, request in unmask_requests.items() if request["dropped"]}
+    assert len(unmask_requests) == 6 and len(told_dropped) == 4  # only factory-6's four neighbours hear of it
+    assert all(len(request["survivors"]) <= 5 for request in unmask_requests.values())  # a neighbourhood, not the round
+
+
+def test_an_odd_secagg_degree_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match="secagg-degree must be 0 .* or an even number"):
+        FederationConfig(secagg_degree=3)
