@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, HTMLResponse, PlainTextResponse, StreamingResponse
 from fastapi.templating import Jinja2Templates
@@ -28,6 +28,18 @@ log = logging.getLogger("fedforge.dashboard")
 VersionId = Annotated[str, PathParam(pattern=r"^[0-9a-f]{32}$", description="32 lowercase hex characters")]
 RunId = Annotated[str, PathParam(pattern=r"^run-[0-9A-Za-z_-]{1,60}$")]
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
+
+
+PAGE_SIZE = 100  # list endpoints and pages: items per page unless ?limit= says otherwise
+MAX_PAGE_SIZE = 1000
+
+
+def paging(limit: int = Query(default=PAGE_SIZE, ge=1, le=MAX_PAGE_SIZE, description="items per page"),
+           offset: int = Query(default=0, ge=0, le=10**9, description="items to skip (newest first)")) -> tuple[int, int]:
+    return limit, offset
+
+
+Paging = Annotated[tuple[int, int], Depends(paging)]
 
 
 @dataclass
@@ -66,14 +78,23 @@ def create_app(settings: DashboardSettings) -> FastAPI:
     View = Depends(viewer)
     Admin = Depends(admin)
 
+    def listed(request: Request, response: Response, page: services.Page[Any]) -> list[Any]:
+        """A page as the list body; the total in X-Total-Count and the neighbouring pages in a Link header (RFC 8288)."""
+        response.headers["X-Total-Count"] = str(page.total)
+        links = [f'<{request.url.include_query_params(offset=o, limit=page.limit)}>; rel="{rel}"'
+                 for rel, o in (("next", page.next_offset), ("prev", page.previous_offset)) if o is not None]
+        if links:
+            response.headers["Link"] = ", ".join(links)
+        return page.items
+
     # JSON API ---------------------------------------------------------------------------------
     @app.get("/api/v1/overview", response_model=schemas.Overview, dependencies=[View])
     def api_overview() -> schemas.Overview:
         return services.overview(registry, bool(settings.admin_token))
 
     @app.get("/api/v1/runs", response_model=list[schemas.RunOut], dependencies=[View])
-    def api_runs() -> list[schemas.RunOut]:
-        return services.runs(registry)
+    def api_runs(request: Request, response: Response, paging: Paging) -> list[schemas.RunOut]:
+        return listed(request, response, services.runs(registry, *paging))
 
     @app.get("/api/v1/runs/{run_id}", response_model=schemas.RunDetail, dependencies=[View])
     def api_run(run_id: RunId) -> schemas.RunDetail:
@@ -83,16 +104,17 @@ def create_app(settings: DashboardSettings) -> FastAPI:
         return detail
 
     @app.get("/api/v1/factories", response_model=list[schemas.FactoryOut], dependencies=[View])
-    def api_factories() -> list[schemas.FactoryOut]:
-        return services.factories(registry)
+    def api_factories(request: Request, response: Response, paging: Paging) -> list[schemas.FactoryOut]:
+        return listed(request, response, services.paged(services.factories(registry), *paging))
 
     @app.get("/api/v1/privacy", response_model=list[schemas.PrivacyOut], dependencies=[View])
-    def api_privacy() -> list[schemas.PrivacyOut]:
-        return services.privacy(registry)
+    def api_privacy(request: Request, response: Response, paging: Paging) -> list[schemas.PrivacyOut]:
+        return listed(request, response, services.paged(services.privacy(registry), *paging))
 
     @app.get("/api/v1/versions", response_model=list[schemas.VersionOut], dependencies=[View])
-    def api_versions(status: Annotated[str | None, Query(pattern="^(candidate|approved|revoked)$")] = None) -> list[schemas.VersionOut]:
-        return services.versions(registry, status)
+    def api_versions(request: Request, response: Response, paging: Paging,
+                     status: Annotated[str | None, Query(pattern="^(candidate|approved|revoked)$")] = None) -> list[schemas.VersionOut]:
+        return listed(request, response, services.versions(registry, *paging, status=status))
 
     @app.get("/api/v1/versions/{version_id}", response_model=schemas.VersionDetail, dependencies=[View])
     def api_version(version_id: VersionId) -> schemas.VersionDetail:
@@ -194,8 +216,9 @@ def create_app(settings: DashboardSettings) -> FastAPI:
         return page(request, "overview.html", ov=ov, run=detail, charts=[chart_acc, chart_loss, chart_fac], factories=services.factories(registry))
 
     @app.get("/runs", response_class=HTMLResponse, dependencies=[View], include_in_schema=False)
-    def runs_page(request: Request) -> HTMLResponse:
-        return page(request, "runs.html", runs=services.runs(registry))
+    def runs_page(request: Request, paging: Paging) -> HTMLResponse:
+        runs = services.runs(registry, *paging)
+        return page(request, "runs.html", runs=runs.items, pager=runs)
 
     @app.get("/runs/{run_id}", response_class=HTMLResponse, dependencies=[View], include_in_schema=False)
     def run_page(request: Request, run_id: RunId) -> HTMLResponse:
@@ -212,20 +235,23 @@ def create_app(settings: DashboardSettings) -> FastAPI:
         return page(request, "run.html", run=detail, chart=chart + rates)
 
     @app.get("/factories", response_class=HTMLResponse, dependencies=[View], include_in_schema=False)
-    def factories_page(request: Request) -> HTMLResponse:
-        return page(request, "factories.html", factories=services.factories(registry))
+    def factories_page(request: Request, paging: Paging) -> HTMLResponse:
+        factories = services.paged(services.factories(registry), *paging)
+        return page(request, "factories.html", factories=factories.items, pager=factories)
 
     @app.get("/privacy", response_class=HTMLResponse, dependencies=[View], include_in_schema=False)
-    def privacy_page(request: Request) -> HTMLResponse:
-        spend = services.privacy(registry)
+    def privacy_page(request: Request, paging: Paging) -> HTMLResponse:
+        pager = services.paged(services.privacy(registry), *paging)
+        spend = pager.items
         limit = max((p.epsilon_max for p in spend if p.epsilon_max), default=None)
         chart = charts.line_chart("Privacy spent (epsilon) per factory", {p.factory: [(h.server_round, h.epsilon_spent) for h in p.history] for p in spend},
                                   "epsilon", reference=limit)
-        return page(request, "privacy.html", spend=spend, chart=chart)
+        return page(request, "privacy.html", spend=spend, chart=chart, pager=pager)
 
     @app.get("/versions", response_class=HTMLResponse, dependencies=[View], include_in_schema=False)
-    def versions_page(request: Request) -> HTMLResponse:
-        return page(request, "versions.html", versions=services.versions(registry))
+    def versions_page(request: Request, paging: Paging) -> HTMLResponse:
+        versions = services.versions(registry, *paging)
+        return page(request, "versions.html", versions=versions.items, pager=versions)
 
     @app.get("/versions/{version_id}", response_class=HTMLResponse, dependencies=[View], include_in_schema=False)
     def version_page(request: Request, version_id: VersionId) -> HTMLResponse:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from common.signing import VerificationError, load_public, verify_manifest
 from server.dashboard import schemas
@@ -22,8 +23,35 @@ def _run_out(reg: Registry, run: Run) -> schemas.RunOut:
     )
 
 
-def runs(reg: Registry) -> list[schemas.RunOut]:
-    return [_run_out(reg, r) for r in reversed(reg.runs())]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Page(Generic[T]):
+    """One page of a list, newest first; ``total`` counts every item (the API sends it as X-Total-Count)."""
+
+    items: list[T]
+    total: int
+    limit: int
+    offset: int
+
+    @property
+    def next_offset(self) -> int | None:
+        return self.offset + self.limit if self.offset + self.limit < self.total else None
+
+    @property
+    def previous_offset(self) -> int | None:
+        return max(0, self.offset - self.limit) if self.offset > 0 else None
+
+
+def paged(items: list[T], limit: int, offset: int) -> Page[T]:
+    """A page of a list computed in full (per-factory lists: at most one entry per factory)."""
+    return Page(items[offset : offset + limit], len(items), limit, offset)
+
+
+def runs(reg: Registry, limit: int, offset: int = 0) -> Page[schemas.RunOut]:
+    page, total = reg.run_page(limit, offset)
+    return Page([_run_out(reg, r) for r in page], total, limit, offset)
 
 
 def run_detail(reg: Registry, run_id: str) -> schemas.RunDetail | None:
@@ -55,9 +83,11 @@ def latest_evaluations(reg: Registry) -> dict[str, Evaluation]:
     return {e.version_id: e for e in reg.evaluations()}
 
 
-def versions(reg: Registry, status: str | None = None) -> list[schemas.VersionOut]:
-    latest = latest_evaluations(reg)
-    return [version_out(v, latest.get(v.id)) for v in reversed(reg.versions(status=status))]
+def versions(reg: Registry, limit: int, offset: int = 0, status: str | None = None) -> Page[schemas.VersionOut]:
+    """One page of versions, newest first: manifests stay in the database, evaluations are read for this page only."""
+    page, total = reg.version_page(limit, offset, status)
+    latest = reg.latest_evaluations([v.id for v in page])
+    return Page([version_out(v, latest.get(v.id)) for v in page], total, limit, offset)
 
 
 def federated_series(reg: Registry, run_id: str) -> dict[str, list[tuple[float, float]]]:

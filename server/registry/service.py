@@ -13,7 +13,7 @@ import numpy as np
 from sqlalchemy import create_engine, event, func, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import sessionmaker
+from sqlalchemy.orm import defer, sessionmaker
 
 from common.release import new_statement, sign_statement
 from common.signing import canonical, create_keypair, key_id, load_private, load_public, sign
@@ -273,6 +273,29 @@ class Registry:
             if architecture is not None:
                 q = q.where(Version.architecture == architecture)
             return list(s.scalars(q))
+
+    def version_page(self, limit: int, offset: int = 0, status: str | None = None) -> tuple[list[Version], int]:
+        """Newest first, one page of versions without their manifests and signatures (lists never need them), and the total."""
+        with self.session() as s:
+            where = [Version.status == status] if status is not None else []
+            total = s.scalar(select(func.count()).select_from(Version).where(*where)) or 0
+            q = (select(Version).where(*where).options(defer(Version.manifest), defer(Version.signature))
+                 .order_by(Version.created_at.desc(), Version.id.desc()).limit(limit).offset(offset))
+            return list(s.scalars(q)), total
+
+    def latest_evaluations(self, version_ids: list[str]) -> dict[str, Evaluation]:
+        """The most recent federated evaluation of each of these versions (those that have one)."""
+        if not version_ids:
+            return {}
+        with self.session() as s:
+            newest = select(func.max(Evaluation.id)).where(Evaluation.version_id.in_(version_ids)).group_by(Evaluation.version_id)
+            return {e.version_id: e for e in s.scalars(select(Evaluation).where(Evaluation.id.in_(newest)))}
+
+    def run_page(self, limit: int, offset: int = 0) -> tuple[list[Run], int]:
+        """Newest first, one page of runs, and the total."""
+        with self.session() as s:
+            total = s.scalar(select(func.count()).select_from(Run)) or 0
+            return list(s.scalars(select(Run).order_by(Run.started_at.desc(), Run.id.desc()).limit(limit).offset(offset))), total
 
     def get_version(self, version_id: str) -> Version | None:
         with self.session() as s:
