@@ -47,12 +47,15 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def round_seconds(secure: bool, rounds: int, local_epochs: int, factories: int) -> tuple[list[float], dict[str, float]]:
+def round_seconds(secure: bool, rounds: int, local_epochs: int, factories: int, architecture: str = "",
+                  extra: dict[str, object] | None = None) -> tuple[list[float], dict[str, float]]:
     """Each round's wall time, and the median over rounds 2..N of the time spent per message type."""
     with tempfile.TemporaryDirectory() as tmp, ProcessSet(Path(tmp) / "logs") as procs:
         fed = LocalFederation(Path(tmp), procs, num_factories=factories)
         fed.start()
-        run_id = "run-" + fed.submit(fed.run_config(rounds, **{"local-epochs": local_epochs, "secure-aggregation": secure, "min-factories": factories}))
+        overrides = {"local-epochs": local_epochs, "secure-aggregation": secure, "min-factories": factories,
+                     **({"architecture": architecture} if architecture else {}), **(extra or {})}
+        run_id = "run-" + fed.submit(fed.run_config(rounds, **overrides))
         registry = Registry.at(fed.registry_dir)
         wait_for_run(registry, run_id, procs=procs)
         done = registry.rounds(run_id)
@@ -67,6 +70,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--local-epochs", type=int, default=1)
     p.add_argument("--factories", type=int, default=3)
+    p.add_argument("--architecture", default="", help="the run's model (default: the run config's, the pretrained head)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], help="run-config key=value (repeatable), e.g. personal-epochs=0")
     p.add_argument("--skip-rounds", action="store_true", help="only the mask throughput")
     p.add_argument("--flower-legacy", action="store_true", help="also time Flower's SecAggPlusWorkflow (bench/flower_secagg)")
     a = p.parse_args()
@@ -76,8 +81,9 @@ def main() -> None:
               f"{r['flower_GBps']:.2f} GB/s, speed-up {r['speedup']:.1f}x")
     out = {"mask": rows}
     if not a.skip_rounds:
-        plain, plain_phases = round_seconds(False, a.rounds, a.local_epochs, a.factories)
-        secure, secure_phases = round_seconds(True, a.rounds, a.local_epochs, a.factories)
+        extra = {k: json.loads(v) if v[:1] in "0123456789-[{tf" else v for k, v in (o.split("=", 1) for o in a.overrides)}
+        plain, plain_phases = round_seconds(False, a.rounds, a.local_epochs, a.factories, a.architecture, extra)
+        secure, secure_phases = round_seconds(True, a.rounds, a.local_epochs, a.factories, a.architecture, extra)
         pm, sm = statistics.median(plain[1:] or plain), statistics.median(secure[1:] or secure)
         out |= {"plain_round_seconds": plain, "secure_round_seconds": secure, "ratio": sm / pm,
                 "plain_phase_seconds": plain_phases, "secure_phase_seconds": secure_phases}

@@ -22,6 +22,7 @@ def client(tmp_path_factory):
     for i in range(3):
         registry.start_run(f"run-{i}", str(i), {"num_server_rounds": 2})
     with TestClient(create_app(DashboardSettings(directory))) as c:
+        c.app_state_dir = directory
         yield c
 
 
@@ -29,10 +30,11 @@ def test_versions_come_in_pages_newest_first(client):
     first = client.get("/api/v1/versions", params={"limit": 100})
     assert first.status_code == 200 and len(first.json()) == 100 and first.headers["X-Total-Count"] == "250"
     assert [v["server_round"] for v in first.json()[:3]] == [249, 248, 247]
-    assert 'rel="next"' in first.headers["Link"] and "offset=100" in first.headers["Link"] and 'rel="prev"' not in first.headers["Link"]
+    assert first.headers["Link"].startswith("</api/v1/versions?") and "offset=100" in first.headers["Link"]
+    assert 'rel="next"' in first.headers["Link"] and 'rel="prev"' not in first.headers["Link"]
     last = client.get("/api/v1/versions", params={"limit": 100, "offset": 200})
     assert [v["server_round"] for v in last.json()] == list(range(49, -1, -1)) and 'rel="next"' not in last.headers["Link"]
-    assert len(client.get("/api/v1/versions").json()) == 100  # the default page
+    assert len(client.get("/api/v1/versions").json()) == 50  # the default page
     for bad in ({"limit": 0}, {"limit": 5000}, {"offset": -1}, {"limit": "x"}):
         assert client.get("/api/v1/versions", params=bad).status_code == 422, bad
 
@@ -48,3 +50,11 @@ def test_runs_factories_privacy_and_the_html_pages_paginate(client):
     assert 'id="page-next" href="?offset=100&amp;limit=50"' in page.text and 'id="page-prev" href="?offset=0&amp;limit=50"' in page.text
     assert "51–100 of 250" in page.text
     assert client.get("/runs", params={"limit": 2}).text.count("data-run=") == 2
+
+
+def test_a_status_change_shows_in_the_next_list_at_once(client, tmp_path_factory):
+    newest = client.get("/api/v1/versions", params={"limit": 1}).json()[0]
+    assert newest["status"] == "candidate"
+    registry = Registry.at(client.app_state_dir)
+    registry.approve(newest["id"], actor="qa")
+    assert client.get("/api/v1/versions", params={"limit": 1}).json()[0]["status"] == "approved"  # the cached page is not served stale

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ RunId = Annotated[str, PathParam(pattern=r"^run-[0-9A-Za-z_-]{1,60}$")]
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 
 
-PAGE_SIZE = 100  # list endpoints and pages: items per page unless ?limit= says otherwise
+PAGE_SIZE = 50  # list endpoints and pages: items per page unless ?limit= says otherwise
 MAX_PAGE_SIZE = 1000
 
 
@@ -81,8 +82,11 @@ def create_app(settings: DashboardSettings) -> FastAPI:
     def listed(request: Request, response: Response, page: services.Page[Any]) -> list[Any]:
         """A page as the list body; the total in X-Total-Count and the neighbouring pages in a Link header (RFC 8288)."""
         response.headers["X-Total-Count"] = str(page.total)
-        links = [f'<{request.url.include_query_params(offset=o, limit=page.limit)}>; rel="{rel}"'
-                 for rel, o in (("next", page.next_offset), ("prev", page.previous_offset)) if o is not None]
+        def relative(offset: int) -> str:  # relative references (RFC 3986): right for every host name the dashboard is reached by
+            url = request.url.include_query_params(offset=offset, limit=page.limit)
+            return f"{url.path}?{url.query}"
+
+        links = [f'<{relative(o)}>; rel="{rel}"' for rel, o in (("next", page.next_offset), ("prev", page.previous_offset)) if o is not None]
         if links:
             response.headers["Link"] = ", ".join(links)
         return page.items
@@ -111,10 +115,21 @@ def create_app(settings: DashboardSettings) -> FastAPI:
     def api_privacy(request: Request, response: Response, paging: Paging) -> list[schemas.PrivacyOut]:
         return listed(request, response, services.paged(services.privacy(registry), *paging))
 
+    version_pages: dict[tuple[Any, ...], tuple[bytes, dict[str, str]]] = {}  # the most requested list, cached until the registry moves
+
     @app.get("/api/v1/versions", response_model=list[schemas.VersionOut], dependencies=[View])
-    def api_versions(request: Request, response: Response, paging: Paging,
-                     status: Annotated[str | None, Query(pattern="^(candidate|approved|revoked)$")] = None) -> list[schemas.VersionOut]:
-        return listed(request, response, services.versions(registry, *paging, status=status))
+    def api_versions(request: Request, paging: Paging,
+                     status: Annotated[str | None, Query(pattern="^(candidate|approved|revoked)$")] = None) -> Response:
+        key = (registry.version_stamp(), *paging, status)
+        if key not in version_pages:
+            if len(version_pages) > 256:
+                version_pages.clear()
+            shaped = Response()
+            items = listed(request, shaped, services.versions(registry, *paging, status=status))
+            body = json.dumps([v.model_dump(mode="json") for v in items], separators=(",", ":")).encode()
+            version_pages[key] = (body, {k: v for k, v in shaped.headers.items() if k in ("x-total-count", "link")})
+        body, headers = version_pages[key]
+        return Response(body, media_type="application/json", headers=headers)
 
     @app.get("/api/v1/versions/{version_id}", response_model=schemas.VersionDetail, dependencies=[View])
     def api_version(version_id: VersionId) -> schemas.VersionDetail:

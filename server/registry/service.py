@@ -13,7 +13,7 @@ import numpy as np
 from sqlalchemy import create_engine, event, func, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import defer, sessionmaker
+from sqlalchemy.orm import sessionmaker
 
 from common.release import new_statement, sign_statement
 from common.signing import canonical, create_keypair, key_id, load_private, load_public, sign
@@ -274,14 +274,26 @@ class Registry:
                 q = q.where(Version.architecture == architecture)
             return list(s.scalars(q))
 
-    def version_page(self, limit: int, offset: int = 0, status: str | None = None) -> tuple[list[Version], int]:
-        """Newest first, one page of versions without their manifests and signatures (lists never need them), and the total."""
+    def version_stamp(self) -> tuple[int, int, int]:
+        """Changes whenever a version list could (a new version, a status change, a new evaluation): one cheap query,
+        so list pages can be served from a cache until it moves."""
+        with self.session() as s:
+            row = s.execute(select(select(func.count()).select_from(Version).scalar_subquery(), select(func.max(Action.id)).scalar_subquery(),
+                                   select(func.max(Evaluation.id)).scalar_subquery())).one()
+            return int(row[0] or 0), int(row[1] or 0), int(row[2] or 0)
+
+    LISTED_COLUMNS = ("id", "run_id", "server_round", "parent_id", "kind", "architecture", "status", "metrics", "secure_aggregation",
+                      "created_at", "sha256", "size_bytes")
+
+    def version_page(self, limit: int, offset: int = 0, status: str | None = None) -> tuple[list[Any], int]:
+        """Newest first, one page of versions as rows of `LISTED_COLUMNS` (no manifests, signatures or ORM objects: lists
+        are read far more often than versions change), and the total."""
         with self.session() as s:
             where = [Version.status == status] if status is not None else []
             total = s.scalar(select(func.count()).select_from(Version).where(*where)) or 0
-            q = (select(Version).where(*where).options(defer(Version.manifest), defer(Version.signature))
-                 .order_by(Version.created_at.desc(), Version.id.desc()).limit(limit).offset(offset))
-            return list(s.scalars(q)), total
+            columns = [getattr(Version, c) for c in self.LISTED_COLUMNS]
+            q = select(*columns).where(*where).order_by(Version.created_at.desc(), Version.id.desc()).limit(limit).offset(offset)
+            return list(s.execute(q)), total
 
     def latest_evaluations(self, version_ids: list[str]) -> dict[str, Evaluation]:
         """The most recent federated evaluation of each of these versions (those that have one)."""
