@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from client.config import AgentConfig
+from client.dp import DPPlan
 from client.workers import Job, WorkerGroup
 from common.models import build_model
 from common.training import TrainConfig
@@ -51,7 +52,7 @@ def main() -> int:
                         continue  # Opacus per-sample gradients under bf16 autocast are not supported for every mode
                     tc = TrainConfig(epochs=1, batch_size=args.batch, bf16=bf16)
                     mode = "ghost_fsdp" if parallelism == "fsdp" else "hooks"
-                    job = Job(weights=weights, architecture=args.architecture, train=asdict(tc), dp={**dp, "grad_sample_mode": mode} if private else None)
+                    job = Job(weights=weights, architecture=args.architecture, train=asdict(tc), dp=DPPlan(**dp, grad_sample_mode=mode) if private else None)
                     group.run(job)  # warm-up (cuDNN autotune, allocator)
                     t0 = time.perf_counter()
                     out = group.run(job)

@@ -189,7 +189,7 @@ class FactoryTrainer:
         t1 = time.perf_counter()
         if self.workers is not None and not is_pretrained(prep.architecture):
             out = self.workers.run(Job(weights=dict(weights), architecture=prep.architecture, train=asdict(cfg), request=prep.request,
-                                       dp=asdict(dp_plan) if dp_plan else None, fix_model=self.cfg.dp_fix_model))
+                                       dp=dp_plan, fix_model=self.cfg.dp_fix_model))
             new, result = out["weights"], TrainResult(out["loss"], out["accuracy"], out["steps"], out["examples"])
             load_weights(prep.model, new)
         else:

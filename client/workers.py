@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from client.config import AgentConfig
+from client.dp import DPPlan
 from common.procs import _die_with_parent, free_port
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class Job:
     architecture: str
     train: dict[str, Any]  # TrainConfig fields
     request: Any = None  # client.data.DataRequest: the run's classes, image size and channels (None: the defaults)
-    dp: dict[str, Any] | None = None  # client.dp.DPPlan fields
+    dp: DPPlan | None = None  # what the factory's budget allows this round (None: no DP)
     fix_model: bool = False  # --dp-fix-model: replace layers DP-SGD cannot train instead of refusing
 
 
@@ -182,7 +183,7 @@ def run_job(job: Job, train_data: Any, parallelism: str, rank: int, world_size: 
     return {"weights": weights, "digest": digest, "pid": os.getpid(), "loss": result.loss, "accuracy": result.accuracy, "steps": result.steps, "examples": result.examples, "seconds": seconds}
 
 
-def train_private_distributed(model: Any, data: Any, cfg: Any, dp: dict[str, Any], rank: int, world_size: int) -> Any:
+def train_private_distributed(model: Any, data: Any, cfg: Any, dp: DPPlan, rank: int, world_size: int) -> Any:
     """DP-SGD across ranks: Poisson sampling on each rank's shard, batches always yielded (possibly empty)."""
     from opacus.data_loader import wrap_collate_with_empty
     from opacus.utils.uniform_sampler import DistributedUniformWithReplacementSampler
@@ -203,12 +204,12 @@ def train_private_distributed(model: Any, data: Any, cfg: Any, dp: dict[str, Any
                 yield indices[mask.nonzero(as_tuple=False).reshape(-1)].tolist()
 
     dataset = ImageSetDataset(data)
-    sampler = AlwaysYieldSampler(total_size=len(dataset), sample_rate=dp["sample_rate"], generator=_urandom_generator())
+    sampler = AlwaysYieldSampler(total_size=len(dataset), sample_rate=dp.sample_rate, generator=_urandom_generator())
     collate = wrap_collate_with_empty(collate_fn=default_collate, sample_empty_shapes=[(0, *data.image_shape), (0,)],
                                       dtypes=[torch.float32, torch.int64])
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
     private_model, private_opt, criterion, private_loader = make_private(
-        model, make_optimizer(model, cfg), loader, dp["noise_multiplier"], dp["max_grad_norm"], dp.get("grad_sample_mode", "hooks"),
+        model, make_optimizer(model, cfg), loader, dp.noise_multiplier, dp.max_grad_norm, dp.grad_sample_mode,
         poisson_sampling=False,  # our loader already samples (Poisson, never skipping a batch)
     )
     return run_dp_epochs(private_model, private_opt, criterion, private_loader, cfg, examples=len(data), step_on_empty=True,

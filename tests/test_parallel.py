@@ -11,6 +11,7 @@ import torch
 
 from client.config import AgentConfig
 from client.data import DataRequest
+from client.dp import DPPlan
 from client.workers import Job, WorkerGroup, factory_data
 from common.models import build_model
 from common.training import TrainConfig, train
@@ -67,7 +68,7 @@ DP = {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "sample_rate": 16 / 65}
 
 
 def test_ddp_with_dp(ddp):
-    out = ddp.run(Job(weights=_initial(), architecture="cnn-small", train=asdict(TRAIN), dp={**DP, "grad_sample_mode": "hooks"}))
+    out = ddp.run(Job(weights=_initial(), architecture="cnn-small", train=asdict(TRAIN), dp=DPPlan(**DP, grad_sample_mode="hooks")))
     assert len(set(out["rank_digests"])) == 1
     assert not any(k.startswith(("_module.", "module.")) for k in out["weights"])
     assert all(np.isfinite(v).all() for v in out["weights"].values())
@@ -75,7 +76,7 @@ def test_ddp_with_dp(ddp):
 
 
 def test_fsdp_with_dp_ghost_clipping(fsdp):
-    out = fsdp.run(Job(weights=_initial(), architecture="cnn-small", train=asdict(TRAIN), dp={**DP, "grad_sample_mode": "ghost_fsdp"}))
+    out = fsdp.run(Job(weights=_initial(), architecture="cnn-small", train=asdict(TRAIN), dp=DPPlan(**DP, grad_sample_mode="ghost_fsdp")))
     assert list(out["weights"]) == list(_initial())
     assert all(np.isfinite(v).all() for v in out["weights"].values())
 
