@@ -51,7 +51,7 @@ def round_seconds(secure: bool, rounds: int, local_epochs: int, factories: int, 
                   extra: dict[str, object] | None = None) -> tuple[list[float], dict[str, float]]:
     """Each round's wall time, and the median over rounds 2..N of the time spent per message type."""
     with tempfile.TemporaryDirectory() as tmp, ProcessSet(Path(tmp) / "logs") as procs:
-        fed = LocalFederation(Path(tmp), procs, num_factories=factories)
+        fed = LocalFederation(Path(tmp), procs, num_factories=factories, secure=secure)  # plain: factories allow plaintext answers
         fed.start()
         overrides = {"local-epochs": local_epochs, "secure-aggregation": secure, "min-factories": factories,
                      **({"architecture": architecture} if architecture else {}), **(extra or {})}
@@ -59,6 +59,7 @@ def round_seconds(secure: bool, rounds: int, local_epochs: int, factories: int, 
         registry = Registry.at(fed.registry_dir)
         wait_for_run(registry, run_id, procs=procs)
         done = registry.rounds(run_id)
+        assert all(r.status == "completed" for r in done), [(r.status, r.failures) for r in done]  # a refused round is no timing
         later = done[1:] or done
         kinds = {k for r in later for k in r.metrics if k.startswith("seconds/")}
         phases = {k.removeprefix("seconds/"): statistics.median(r.metrics.get(k, 0.0) for r in later) for k in sorted(kinds)}

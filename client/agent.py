@@ -55,7 +55,9 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
         self._lock = threading.Lock()
 
     def Train(self, request: edge_pb2.TrainRequest, context: grpc.ServicerContext) -> edge_pb2.TrainReply:
+        arrived = time.monotonic()
         with self._lock, _status_on_error(context, "train"):
+            waited = time.monotonic() - arrived
             config = _config(request.config)
             self._check_architecture(config)
             secure = MaskedInput.from_fields(from_values(request.secagg)) if request.secagg else None
@@ -65,8 +67,9 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
             send_weights = bool(config.get("send-weights", True))
             global_weights = from_tensors(request.weights)
             local = self.trainer.train(global_weights, config, request.server_round, request.run_id)
-            log.info("round %d: trained on %d examples, loss %.4f%s", request.server_round, local.examples, local.metrics["train-loss"],
-                     " (secure)" if secure else "")
+            log.info("round %d: trained on %d examples, loss %.4f%s; %.1fs since the request arrived (%.1fs waiting for the agent, "
+                     "%.1fs training)", request.server_round, local.examples, local.metrics["train-loss"], " (secure)" if secure else "",
+                     time.monotonic() - arrived, waited, local.metrics["train-seconds"])
             if self.after_round is not None:
                 threading.Thread(target=self.after_round, daemon=True, name="fedforge-reconsider").start()
             predictions = self.trainer.predict(local.weights, config, proxy, float(config.get("temperature", 2.0))) if proxy is not None else None
