@@ -101,7 +101,8 @@ def _stop_detached(pids: list[int], timeout: float = 5.0) -> None:
     while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
         time.sleep(0.1)
     for pid in pids:
-        _kill_group(pid, signal.SIGKILL)
+        if _alive(pid):  # never signal a pid that has exited (it may be reused)
+            _kill_group(pid, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:

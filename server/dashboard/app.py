@@ -79,16 +79,18 @@ def create_app(settings: DashboardSettings) -> FastAPI:
     View = Depends(viewer)
     Admin = Depends(admin)
 
-    def listed(request: Request, response: Response, page: services.Page[Any]) -> list[Any]:
-        """A page as the list body; the total in X-Total-Count and the neighbouring pages in a Link header (RFC 8288)."""
-        response.headers["X-Total-Count"] = str(page.total)
+    def page_headers(request: Request, page: services.Page[Any]) -> dict[str, str]:
+        """The total in X-Total-Count and the neighbouring pages in a Link header (RFC 8288)."""
         def relative(offset: int) -> str:  # relative references (RFC 3986): right for every host name the dashboard is reached by
             url = request.url.include_query_params(offset=offset, limit=page.limit)
             return f"{url.path}?{url.query}"
 
         links = [f'<{relative(o)}>; rel="{rel}"' for rel, o in (("next", page.next_offset), ("prev", page.previous_offset)) if o is not None]
-        if links:
-            response.headers["Link"] = ", ".join(links)
+        return {"X-Total-Count": str(page.total), **({"Link": ", ".join(links)} if links else {})}
+
+    def listed(request: Request, response: Response, page: services.Page[Any]) -> list[Any]:
+        """A page as the list body, its headers on the response."""
+        response.headers.update(page_headers(request, page))
         return page.items
 
     # JSON API ---------------------------------------------------------------------------------
@@ -124,10 +126,9 @@ def create_app(settings: DashboardSettings) -> FastAPI:
         if key not in version_pages:
             if len(version_pages) > 256:
                 version_pages.clear()
-            shaped = Response()
-            items = listed(request, shaped, services.versions(registry, *paging, status=status))
-            body = json.dumps([v.model_dump(mode="json") for v in items], separators=(",", ":")).encode()
-            version_pages[key] = (body, {k: v for k, v in shaped.headers.items() if k in ("x-total-count", "link")})
+            page = services.versions(registry, *paging, status=status)
+            body = json.dumps([v.model_dump(mode="json") for v in page.items], separators=(",", ":")).encode()
+            version_pages[key] = (body, page_headers(request, page))
         body, headers = version_pages[key]
         return Response(body, media_type="application/json", headers=headers)
 

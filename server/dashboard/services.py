@@ -78,11 +78,6 @@ def evaluation_out(e: Evaluation) -> schemas.EvaluationOut:
                                  false_reject_rate=f.get("false-reject-rate"), secure_aggregation=e.secure_aggregation, shared=e.shared)
 
 
-def latest_evaluations(reg: Registry) -> dict[str, Evaluation]:
-    """Each version's most recent federated evaluation, by version id."""
-    return {e.version_id: e for e in reg.evaluations()}
-
-
 def versions(reg: Registry, limit: int, offset: int = 0, status: str | None = None) -> Page[schemas.VersionOut]:
     """One page of versions, newest first: manifests stay in the database, evaluations are read for this page only."""
     page, total = reg.version_page(limit, offset, status)
@@ -93,10 +88,9 @@ def versions(reg: Registry, limit: int, offset: int = 0, status: str | None = No
 def federated_series(reg: Registry, run_id: str) -> dict[str, list[tuple[float, float]]]:
     """Per version round of a run: federated accuracy, escape and false-reject rates (the latest evaluation of each version)."""
     rounds = {v.id: v.server_round for v in reg.versions(run_id)}
+    latest = reg.latest_evaluations(list(rounds))
     out: dict[str, list[tuple[float, float]]] = {"accuracy": [], "escape rate": [], "false-reject rate": []}
-    for version_id, e in latest_evaluations(reg).items():
-        if version_id not in rounds:
-            continue
+    for version_id, e in sorted(latest.items(), key=lambda item: rounds[item[0]]):
         for name, key in (("accuracy", "accuracy"), ("escape rate", "escape-rate"), ("false-reject rate", "false-reject-rate")):
             if e.figures.get(key) is not None:
                 out[name].append((float(rounds[version_id]), float(e.figures[key])))

@@ -301,7 +301,7 @@ class Registry:
             return {}
         with self.session() as s:
             newest = select(func.max(Evaluation.id)).where(Evaluation.version_id.in_(version_ids)).group_by(Evaluation.version_id)
-            return {e.version_id: e for e in s.scalars(select(Evaluation).where(Evaluation.id.in_(newest)))}
+            return {e.version_id: e for e in s.scalars(select(Evaluation).where(Evaluation.id.in_(newest)).order_by(Evaluation.id))}
 
     def run_page(self, limit: int, offset: int = 0) -> tuple[list[Run], int]:
         """Newest first, one page of runs, and the total."""

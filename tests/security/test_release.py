@@ -107,12 +107,18 @@ def test_an_approval_not_signed_by_the_release_key_is_never_served(line):
     assert line.follower.serving.version == v1.id
 
 
-def test_a_replayed_approval_cannot_roll_the_line_back(line):
+def _serving_the_second_of_two(line):
+    """Two versions approved in turn (releases 1 and 2); the edge serves the second."""
     registry = line.registry
     v1, v2 = _add(registry, 1), _add(registry, 2)
     registry.approve(v1.id, actor="qa")
     registry.approve(v2.id, actor="qa")
     _wait(lambda: line.follower.serving.version == v2.id)
+    return registry, v1, v2
+
+
+def test_a_replayed_approval_cannot_roll_the_line_back(line):
+    registry, v1, v2 = _serving_the_second_of_two(line)
     old = registry.actions(version_id=v1.id)[-1]  # a genuine, validly signed statement: release 1
     _inject(registry, v1.id, "approve", old.statement, old.signature)
     _wait(lambda: line.follower.refused_statements)
@@ -124,11 +130,7 @@ def test_a_replayed_approval_cannot_roll_the_line_back(line):
 
 
 def test_a_restarted_edge_keeps_its_release_when_the_history_is_cut(line):
-    registry = line.registry
-    v1, v2 = _add(registry, 1), _add(registry, 2)
-    registry.approve(v1.id, actor="qa")
-    registry.approve(v2.id, actor="qa")
-    _wait(lambda: line.follower.serving.version == v2.id)
+    registry, v1, v2 = _serving_the_second_of_two(line)
     line.stop_agent()
     with registry.session.begin() as s:  # the registry forgets v2's approval and replays a history ending at v1
         s.query(Action).filter(Action.version_id == v2.id).delete()
