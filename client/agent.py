@@ -52,6 +52,9 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
         self.after_round: Any = None  # set when the agent serves Inspection: re-choose global vs personal
         self.sessions = SecAggSessions(trainer.cfg.secagg_policy())
         self.proxies = ProxyCache(Path(trainer.cfg.state_dir) / "proxy")
+        # Only the simulation sets this (client.simulation, `simulation-audit`): it sees each round's encoded
+        # contribution before masking, so a bench can check the server's sum against the factories' inputs.
+        self.audit: Any = None
         self._lock = threading.Lock()
 
     def Train(self, request: edge_pb2.TrainRequest, context: grpc.ServicerContext) -> edge_pb2.TrainReply:
@@ -93,6 +96,8 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
             contribution = Contribution(architecture if send_weights else None, global_weights, local.weights, local.examples,
                                         predictions, confusion, architecture, metrics)
             encoded, _ = secure.layout.encode(contribution, secure.clip, secure.scale, secure.max_weight)
+            if self.audit is not None:
+                self.audit(request.server_round, encoded)
             masked = session.mask(encoded, secure.alive)
             shared = {**metrics, **self._own(local)} if self.trainer.cfg.share_metrics else {}
             return edge_pb2.TrainReply(factory_id=factory_id, masked=to_tensor("masked", masked), metrics={**local.privacy, **shared})

@@ -2,8 +2,9 @@
 
 SuperNode starts this in a fresh process per message, so anything heavy here is paid every round.
 With ``agent-address`` in the node config (``--node-config "agent-address='127.0.0.1:50061'"``) the
-message goes over local gRPC to the warm edge agent; without it, the same servicer runs in-process
-(simulation, tests), built once per process from the node config.
+message goes over local gRPC to the warm edge agent. Under Flower's Simulation Engine (``fedforge
+simulate``: a ``partition-id`` and no agent) each virtual factory's servicer runs in-process
+(``client.simulation``); otherwise, without an agent, one servicer built from the node config does (tests).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 from google.protobuf import struct_pb2
 
+from client import simulation
 from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
 from common.secagg.messages import NEXT_RECORD, RECORD, STAGES
 from common.secagg.wire import from_values, to_values
@@ -38,6 +40,8 @@ def _agent(context: Context) -> Any:
     address = str(context.node_config.get("agent-address", ""))
     if address:
         return edge_pb2_grpc.EdgeAgentStub(grpc.insecure_channel(address, options=_GRPC_OPTIONS))
+    if simulation.is_virtual(dict(context.node_config)):
+        return _InProcess(simulation.servicer(dict(context.node_config), dict(context.run_config)))
     global _in_process
     if _in_process is None:
         from client.agent import EdgeAgentServicer  # torch is only imported on this path
@@ -84,7 +88,18 @@ def _call(context: Context, rpc: str, request: Any) -> Any:
         raise AgentUnavailable(f"factory {factory}: edge agent at {address} failed {rpc}: {err.code().name}: {err.details()}") from err
 
 
-def _secagg(context: Context, stage: str, fields: dict[str, Any]) -> edge_pb2.SecAggReply:
+def _drop_if_simulated(context: Context, server_round: int, stage: str) -> None:
+    """Under ``fedforge simulate --dropout``: this virtual factory fails at ``stage`` if the simulation says so."""
+    if simulation.is_virtual(dict(context.node_config)):
+        simulation.check_dropout(dict(context.node_config), dict(context.run_config), server_round, stage)
+
+
+def _round_of(msg: Message) -> int:
+    return int(msg.metadata.group_id) if msg.metadata.group_id.isdigit() else 0
+
+
+def _secagg(context: Context, stage: str, fields: dict[str, Any], server_round: int) -> edge_pb2.SecAggReply:
+    _drop_if_simulated(context, server_round, stage)
     request = edge_pb2.SecAggRequest(run_id=str(context.run_id), stage=stage, fields=to_values(fields))
     return _call(context, "SecAgg", request)
 
@@ -106,7 +121,7 @@ def _next_session_stage(msg: Message, context: Context) -> dict[str, ConfigRecor
         log.warning("ignored a next-round secure-aggregation stage %r (expected one of %s)", stage, _AHEAD_STAGES)
         return {}
     try:
-        reply = _secagg(context, stage, fields)
+        reply = _secagg(context, stage, fields, _round_of(msg))
     except RuntimeError as exc:  # AgentUnavailable, or the in-process servicer's refusal
         log.warning("next round's secure-aggregation %s failed; this factory joins the next round's own key exchange: %s", stage, exc)
         return {}
@@ -117,6 +132,7 @@ def _next_session_stage(msg: Message, context: Context) -> dict[str, ConfigRecor
 def train(msg: Message, context: Context) -> Message:
     ahead = _next_session_stage(msg, context)
     tensors, config, server_round = _request_parts(msg)
+    _drop_if_simulated(context, server_round, "train")
     secagg = to_values(dict(msg.content[RECORD])) if RECORD in msg.content else {}
     request = edge_pb2.TrainRequest(run_id=str(context.run_id), server_round=server_round, weights=tensors, config=config, secagg=secagg)
     reply = _call(context, "Train", request)
@@ -175,7 +191,7 @@ def evaluate(msg: Message, context: Context) -> Message:
 
 def _secagg_stage(stage: str):  # type: ignore[no-untyped-def]
     def handle(msg: Message, context: Context) -> Message:
-        reply = _secagg(context, stage, dict(msg.content[RECORD]))
+        reply = _secagg(context, stage, dict(msg.content[RECORD]), _round_of(msg))
         content = RecordDict({RECORD: ConfigRecord(from_values(reply.fields)), "info": ConfigRecord({"factory-id": reply.factory_id}),
                               **_next_session_stage(msg, context)})
         return Message(content=content, reply_to=msg)

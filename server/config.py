@@ -66,8 +66,9 @@ class FederationConfig:
     federated_evaluation: bool = True  # factories evaluate the model they receive; one evaluate-only phase after the last round
     secure_aggregation: bool = True
     secagg_threshold: int = 0  # 0: max(2, ceil(2m/3)) of a factory's neighbourhood of m (itself and its neighbours)
-    secagg_degree: int = 0  # neighbours per factory (even: a circulant graph); 0: everyone (complete graph)
+    secagg_degree: int = 0  # neighbours per factory (even: a circulant graph); 0: automatic (secure_sum.auto_degree: complete graph below ~160)
     secagg_timeout: float = 120.0  # per key-exchange / unmask stage
+    secagg_audit_dir: str = ""  # write each secure phase's unmasked sum and its contributors here (what the server learns anyway)
     update_clip: float = 10.0  # L2 bound on each factory's update before masking
     secagg_scale: float = 2.0**24  # fixed-point scale
     max_weight: int = 100_000  # cap on a factory's example-count weight
@@ -93,7 +94,7 @@ class FederationConfig:
         if self.distill not in DISTILL_MODES:
             raise ValueError(f"distill must be one of {DISTILL_MODES}, got {self.distill!r}")
         if self.secagg_degree < 0 or self.secagg_degree % 2:
-            raise ValueError(f"secagg-degree must be 0 (complete graph) or an even number of neighbours (a circulant graph links each "
+            raise ValueError(f"secagg-degree must be 0 (automatic) or an even number of neighbours (a circulant graph links each "
                              f"factory to as many on each side), got {self.secagg_degree}")
         if self.distill_every < 1:
             raise ValueError(f"distill-every must be >= 1, got {self.distill_every}")
@@ -129,7 +130,7 @@ class FederationConfig:
                     values[name] = coerce(value, type(default)) if default is not None else value
                 except (TypeError, ValueError):
                     raise ValueError(f"run-config key {key!r} must be a {type(default).__name__}, got {value!r}") from None
-            elif key not in training_keys:
+            elif key not in training_keys and not key.startswith("simulation-"):  # simulation-*: the virtual factories' settings
                 unknown.append(key)
         if unknown:
             log.warning("ignoring unknown run-config keys %s", sorted(unknown))

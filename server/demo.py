@@ -119,8 +119,10 @@ def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str
         raise SystemExit(1)
 
 
-def follow_run(registry: Registry, run_id: str, rounds: int, home: Path, flwr_run_id: str, procs: ProcessSet) -> dict[str, Any]:
-    """Show a progress bar as the registry records rounds; return the summary when the run ends."""
+def follow_run(registry: Registry, run_id: str, rounds: int, home: Path, flwr_run_id: str, procs: ProcessSet,
+               deadline: float | None = None) -> dict[str, Any]:
+    """Show a progress bar as the registry records rounds; return the summary when the run ends (TimeoutError after
+    ``deadline``, a ``time.monotonic()`` value)."""
     last_flwr_check = time.monotonic()
     with Progress(TextColumn("[bold]round {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.description}"),
                   TimeElapsedColumn(), console=console) as progress:
@@ -141,6 +143,8 @@ def follow_run(registry: Registry, run_id: str, rounds: int, home: Path, flwr_ru
                 break
             if dead := procs.dead():
                 raise RuntimeError(f"process {dead[0][0]} exited with {dead[0][1]} (see its log)")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"run {run_id} has not ended in time")
             if time.monotonic() - last_flwr_check > 15:
                 last_flwr_check = time.monotonic()
                 status = launch.run_status(home, flwr_run_id)

@@ -16,8 +16,9 @@ CONNECTION = "fedforge"
 
 
 def superlink_command(workdir: Path, host: str, port: int, insecure: bool = True, tls: Mapping[str, str] | None = None,
-                      supernode_auth: bool = False) -> list[str]:
-    """The exact SuperLink command line FedForge runs (compose runs the same)."""
+                      supernode_auth: bool = False, simulation: bool = False) -> list[str]:
+    """The exact SuperLink command line FedForge runs (compose runs the same); ``simulation``: Flower's Simulation
+    Engine runs the ClientApps of virtual SuperNodes (``fedforge simulate``) instead of real SuperNodes."""
     cmd = [
         shutil.which("flower-superlink") or "flower-superlink",
         "--database", str(workdir / "superlink.db"),
@@ -30,6 +31,8 @@ def superlink_command(workdir: Path, host: str, port: int, insecure: bool = True
         cmd += ["--ssl-ca-certfile", tls["ca"], "--ssl-certfile", tls["cert"], "--ssl-keyfile", tls["key"]]
     if supernode_auth:
         cmd.append("--enable-supernode-auth")  # only factories registered with `fedforge factories add` may join
+    if simulation:
+        cmd.append("--simulation")
     return cmd
 
 
@@ -85,12 +88,18 @@ def _toml_value(value: Any) -> str:
     return tomli_w.dumps({"v": value}).split("=", 1)[1].strip()
 
 
-def submit_run(home: Path, run_config: Mapping[str, Any], timeout: float = 120.0) -> str:
-    """``flwr run <app> fedforge --run-config ...``; returns the Flower run id."""
-    overrides = " ".join(f"{k}={_toml_value(v)}" for k, v in run_config.items())
+def _overrides(config: Mapping[str, Any]) -> str:
+    return " ".join(f"{k}={_toml_value(v)}" for k, v in config.items())
+
+
+def submit_run(home: Path, run_config: Mapping[str, Any], timeout: float = 120.0, federation_config: Mapping[str, Any] | None = None) -> str:
+    """``flwr run <app> fedforge --run-config ...``; returns the Flower run id. ``federation_config`` goes to
+    ``--federation-config`` (a simulation's ``num-supernodes``, backend and resources)."""
     cmd = [shutil.which("flwr") or "flwr", "run", str(app_dir()), CONNECTION, "--format", "json"]
-    if overrides:
-        cmd += ["--run-config", overrides]
+    if run_config:
+        cmd += ["--run-config", _overrides(run_config)]
+    if federation_config:
+        cmd += ["--federation-config", _overrides(federation_config)]
     proc = subprocess.run(cmd, env=flwr_env(home), capture_output=True, text=True, timeout=timeout, check=False)
     try:
         out = json.loads(proc.stdout)

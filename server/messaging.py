@@ -34,6 +34,14 @@ def push_and_collect(grid: Grid, messages: Iterable[Message], timeout: float) ->
     return replies, sorted(node_of[mid] for mid in pending)
 
 
+def short_reason(reason: str, limit: int = 300) -> str:
+    """The ClientApp's own words from an error reply: Flower's simulation wraps them in a Ray traceback
+    ("... Exception ClientAppException occurred. Message: <words>'>"), which no failure list should carry."""
+    if "Message: " in reason:
+        reason = reason.rsplit("Message: ", 1)[1].rstrip("'>\n ")
+    return reason if len(reason) <= limit else reason[: limit - 3] + "..."
+
+
 class Messenger:
     """One message per factory and their replies, with factory names for errors and time per message type.
 
@@ -64,7 +72,7 @@ class Messenger:
         good = {}
         for node_id, reply in replies.items():
             if reply.has_error():
-                failures[self.name(node_id)] = f"error reply to {message_type}: {reply.error.reason}"
+                failures[self.name(node_id)] = f"error reply to {message_type}: {short_reason(reply.error.reason)}"
                 continue
             if "info" in reply.content and "factory-id" in reply.content["info"]:
                 self.factory_of_node[node_id] = str(reply.content["info"]["factory-id"])

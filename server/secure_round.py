@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,7 +33,7 @@ from server.groups import RoundPlan, RoundResult
 from server.messaging import Messenger
 from server.plain_round import RoundAborted, arrays_of
 from server.reduce import privacy_of, secure_means, shared_of
-from server.secure_sum import KeyedSession, KeyExchange, SecAggAborted
+from server.secure_sum import KeyedSession, KeyExchange, SecAggAborted, auto_degree
 
 log = logging.getLogger("fedforge.server")
 
@@ -46,10 +47,15 @@ class SecureRounds:
         self.messenger, self.cfg, self.run_id = messenger, cfg, run_id
         self._pipelined: KeyedSession | None = None  # the next phase's session, keyed during this one
 
+    def degree(self, n: int) -> int:
+        """Neighbours per factory for a session of ``n``: the configured degree, or the automatic one (0: complete graph)."""
+        return self.cfg.secagg_degree or auto_degree(n)
+
     def threshold(self, n: int) -> int:
         """Shares needed to recover a secret: two thirds of a factory's neighbourhood (itself and its neighbours), which
         the factories' own floor (more than half of it) accepts; with a sparse graph the neighbourhood, not the round, counts."""
-        neighbourhood = min(self.cfg.secagg_degree, n - 1) + 1 if self.cfg.secagg_degree else n
+        degree = self.degree(n)
+        neighbourhood = min(degree, n - 1) + 1 if degree else n
         return self.cfg.secagg_threshold or max(2, math.ceil(2 * neighbourhood / 3))
 
     # a training round -------------------------------------------------------------------------
@@ -182,6 +188,8 @@ class SecureRounds:
                 except SecAggAborted as exc:
                     log.info("round %d: the next phase will exchange its own keys: %s", plan.server_round, exc)
             total = secure.result(_unmask_answers({slot_of[node]: r for node, r in replies.items()}, failures, m, node_of))
+            if cfg.secagg_audit_dir:
+                _audit(Path(cfg.secagg_audit_dir), plan.server_round, message_type, total, participants)
         except SecAggAborted as exc:
             raise RoundAborted(str(exc), failures, []) from exc
         received = sum(masked_inputs[node_of[s]].nbytes for s in survivors)
@@ -212,7 +220,7 @@ class SecureRounds:
     # keys ---------------------------------------------------------------------------------------
     def _exchange_keys(self, server_round: int, nodes: list[int], threshold: int, failures: dict[str, str]) -> KeyedSession:
         """The two key phases of a session: advertise the public keys, then route the sealed share boxes."""
-        exchange = KeyExchange.of(session_id(self.run_id, server_round), nodes, threshold, self.cfg.secagg_degree)
+        exchange = KeyExchange.of(session_id(self.run_id, server_round), nodes, threshold, self.degree(len(nodes)))
 
         def stage(name: str, request: Any) -> dict[int, dict[str, Any]]:
             requests = {n: fields for n in nodes if (fields := request(n)) is not None}
@@ -225,7 +233,7 @@ class SecureRounds:
 
     def _open_next_session(self, server_round: int, nodes: list[int]) -> KeyExchange:
         """The next phase's session (the next round's, or the final evaluation's), keyed during this one."""
-        return KeyExchange.of(session_id(self.run_id, server_round + 1, AHEAD), nodes, self.threshold(len(nodes)), self.cfg.secagg_degree)
+        return KeyExchange.of(session_id(self.run_id, server_round + 1, AHEAD), nodes, self.threshold(len(nodes)), self.degree(len(nodes)))
 
     def _take_pipelined(self, server_round: int, nodes: list[int]) -> KeyedSession | None:
         """This phase's session if the previous phase keyed it for every node taking part now."""
@@ -240,6 +248,12 @@ class SecureRounds:
     def forget(self) -> None:
         """Drop the prepared session (after an aborted round the next one keys afresh)."""
         self._pipelined = None
+
+
+def _audit(directory: Path, server_round: int, message_type: str, total: np.ndarray, participants: list[str]) -> None:
+    """The unmasked sum (field elements) and who is in it: what the server learns anyway, kept for checking a simulation."""
+    directory.mkdir(parents=True, exist_ok=True)
+    np.savez(directory / f"round-{server_round}-{message_type}-sum.npz", total=total, participants=np.array(participants))
 
 
 def _unmask_answers(replies: dict[int, Message], failures: dict[str, str], messenger: Messenger, node_of: dict[int, int]) -> dict[int, Any]:

@@ -267,3 +267,15 @@ def test_sparse_secagg_graph_survives_a_dropout_and_factories_answer_only_for_ne
 def test_an_odd_secagg_degree_is_refused_naming_the_key():
     with pytest.raises(ValueError, match="secagg-degree must be 0 .* or an even number"):
         FederationConfig(secagg_degree=3)
+
+
+def test_the_automatic_degree_keeps_every_neighbourhood_above_its_threshold_and_grows_with_log_n():
+    from server.secure_sum import AUTO_DESIGN_DROPOUT, AUTO_FAILURE, _short_of_threshold, auto_degree
+
+    assert [auto_degree(n) for n in (3, 10, 50, 100, 150)] == [0] * 5  # complete graph: a sparse one would not halve the cost
+    degrees = {n: auto_degree(n) for n in (200, 1000, 10_000)}
+    for n, k in degrees.items():
+        assert k % 2 == 0 and 0 < 2 * k <= n - 1
+        assert n * _short_of_threshold(k + 1, AUTO_DESIGN_DROPOUT) <= AUTO_FAILURE  # the bound it was chosen by
+        assert n * _short_of_threshold(k - 1, AUTO_DESIGN_DROPOUT) > AUTO_FAILURE  # and the smallest such degree
+    assert degrees[200] < degrees[1000] < degrees[10_000] < 2 * degrees[200]  # 50x the factories, under 2x the neighbours
