@@ -136,7 +136,7 @@ class Federation:
         t0 = time.perf_counter()
         cfg, failures = self.cfg, dict(self.first_failures)
         self.first_failures = {}
-        self.messenger.phase_seconds = {}
+        self.messenger.new_round()
         distilling = cfg.distills_in(server_round) and self.proxy is not None
         nodes = self._describe(self.messenger.node_ids(), server_round, failures)
         if distilling:
@@ -216,7 +216,7 @@ class Federation:
     def _final_evaluation(self, phase_round: int) -> None:
         """One evaluate-only message after the last round: the final versions get their federated figures."""
         failures: dict[str, str] = {}
-        self.messenger.phase_seconds = {}
+        self.messenger.new_round()
         nodes = self._describe(self.messenger.node_ids(), phase_round, failures)
         plan = self._plan(phase_round, nodes, distilling=False)
         sent = dict(self.lines)

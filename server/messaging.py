@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from flwr.app import Message, RecordDict
+from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 POLL_SECONDS = 0.05
@@ -34,6 +34,28 @@ def push_and_collect(grid: Grid, messages: Iterable[Message], timeout: float) ->
     return replies, sorted(node_of[mid] for mid in pending)
 
 
+def _value_bytes(value: object) -> int:
+    if isinstance(value, bytes):
+        return len(value)
+    if isinstance(value, str):
+        return len(value.encode())
+    if isinstance(value, list):
+        return sum(_value_bytes(v) for v in value)
+    return 8  # a number or a bool
+
+
+def payload_bytes(content: RecordDict) -> int:
+    """A message's payload: array data, and the bytes, strings and numbers of its config and metric records
+    (Flower's protobuf framing excluded)."""
+    total = 0
+    for record in content.values():
+        if isinstance(record, ArrayRecord):
+            total += sum(len(array.data) for array in record.values())
+        else:
+            total += sum(len(key) + _value_bytes(value) for key, value in record.items())
+    return total
+
+
 def short_reason(reason: str, limit: int = 300) -> str:
     """The ClientApp's own words from an error reply: Flower's simulation wraps them in a Ray traceback
     ("... Exception ClientAppException occurred. Message: <words>'>"), which no failure list should carry."""
@@ -53,6 +75,7 @@ class Messenger:
         self.grid = grid
         self.factory_of_node: dict[int, str] = {}
         self.phase_seconds: dict[str, float] = {}  # wall time per message type in the current round
+        self.upload_bytes: dict[int, int] = {}  # payload each factory sent in the current round
 
     def name(self, node_id: int) -> str:
         return self.factory_of_node.get(node_id, f"node-{node_id}")
@@ -71,6 +94,8 @@ class Messenger:
             failures[self.name(node_id)] = f"no reply to {message_type} within {timeout:.0f}s"
         good = {}
         for node_id, reply in replies.items():
+            if reply.has_content():
+                self.upload_bytes[node_id] = self.upload_bytes.get(node_id, 0) + payload_bytes(reply.content)
             if reply.has_error():
                 failures[self.name(node_id)] = f"error reply to {message_type}: {short_reason(reply.error.reason)}"
                 continue
@@ -79,6 +104,14 @@ class Messenger:
             good[node_id] = reply
         return good
 
+    def new_round(self) -> None:
+        self.phase_seconds, self.upload_bytes = {}, {}
+
     def phase_metrics(self) -> dict[str, float]:
-        """Where the round's time went, per message type: e.g. seconds/train, seconds/query.secagg_unmask."""
-        return {f"seconds/{kind}": round(t, 3) for kind, t in self.phase_seconds.items()}
+        """Where the round's time went, per message type (e.g. seconds/train, seconds/query.secagg_unmask), and what the
+        factories sent in it (upload-bytes-per-factory: mean and max over the factories that answered)."""
+        out = {f"seconds/{kind}": round(t, 3) for kind, t in self.phase_seconds.items()}
+        if self.upload_bytes:
+            sent = list(self.upload_bytes.values())
+            out |= {"upload-bytes-per-factory": float(sum(sent)) / len(sent), "upload-bytes-per-factory-max": float(max(sent))}
+        return out
