@@ -71,7 +71,7 @@ class Sampler:
                         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                             if line.startswith("VmHWM:"):
                                 self.peak_rss_mb = max(self.peak_rss_mb, int(line.split()[1]) / 1024)
-                    elif cmdline.startswith(b"ray::"):
+                    elif cmdline.startswith(b"ray::ClientAppActor"):  # where the virtual factories run (not Ray's own agents)
                         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
                         self._workers[pid] = (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
                 except (OSError, ValueError, IndexError):

@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -88,10 +89,20 @@ def create_app(settings: DashboardSettings) -> FastAPI:
         links = [f'<{relative(o)}>; rel="{rel}"' for rel, o in (("next", page.next_offset), ("prev", page.previous_offset)) if o is not None]
         return {"X-Total-Count": str(page.total), **({"Link": ", ".join(links)} if links else {})}
 
-    def listed(request: Request, response: Response, page: services.Page[Any]) -> list[Any]:
-        """A page as the list body, its headers on the response."""
-        response.headers.update(page_headers(request, page))
-        return page.items
+    list_cache: dict[tuple[Any, ...], tuple[bytes, dict[str, str]]] = {}  # list bodies, valid until the registry's stamp moves
+
+    def listed(request: Request, compute: Callable[[], services.Page[Any]], *key: Any) -> Response:
+        """A page as a JSON list body with its headers, served from the cache while the registry has not changed: lists are
+        read far more often (every open dashboard, every few seconds) than a federation changes them."""
+        cache_key = (request.url.path, registry.stamp(), *key)
+        if cache_key not in list_cache:
+            if len(list_cache) > 512:
+                list_cache.clear()
+            page = compute()
+            body = json.dumps([item.model_dump(mode="json") for item in page.items], separators=(",", ":")).encode()
+            list_cache[cache_key] = (body, page_headers(request, page))
+        body, headers = list_cache[cache_key]
+        return Response(body, media_type="application/json", headers=headers)
 
     # JSON API ---------------------------------------------------------------------------------
     @app.get("/api/v1/overview", response_model=schemas.Overview, dependencies=[View])
@@ -99,8 +110,8 @@ def create_app(settings: DashboardSettings) -> FastAPI:
         return services.overview(registry, bool(settings.admin_token))
 
     @app.get("/api/v1/runs", response_model=list[schemas.RunOut], dependencies=[View])
-    def api_runs(request: Request, response: Response, paging: Paging) -> list[schemas.RunOut]:
-        return listed(request, response, services.runs(registry, *paging))
+    def api_runs(request: Request, paging: Paging) -> Response:
+        return listed(request, lambda: services.runs(registry, *paging), *paging)
 
     @app.get("/api/v1/runs/{run_id}", response_model=schemas.RunDetail, dependencies=[View])
     def api_run(run_id: RunId) -> schemas.RunDetail:
@@ -110,27 +121,17 @@ def create_app(settings: DashboardSettings) -> FastAPI:
         return detail
 
     @app.get("/api/v1/factories", response_model=list[schemas.FactoryOut], dependencies=[View])
-    def api_factories(request: Request, response: Response, paging: Paging) -> list[schemas.FactoryOut]:
-        return listed(request, response, services.paged(services.factories(registry), *paging))
+    def api_factories(request: Request, paging: Paging) -> Response:
+        return listed(request, lambda: services.paged(services.factories(registry), *paging), *paging)
 
     @app.get("/api/v1/privacy", response_model=list[schemas.PrivacyOut], dependencies=[View])
-    def api_privacy(request: Request, response: Response, paging: Paging) -> list[schemas.PrivacyOut]:
-        return listed(request, response, services.paged(services.privacy(registry), *paging))
-
-    version_pages: dict[tuple[Any, ...], tuple[bytes, dict[str, str]]] = {}  # the most requested list, cached until the registry moves
+    def api_privacy(request: Request, paging: Paging) -> Response:
+        return listed(request, lambda: services.paged(services.privacy(registry), *paging), *paging)
 
     @app.get("/api/v1/versions", response_model=list[schemas.VersionOut], dependencies=[View])
     def api_versions(request: Request, paging: Paging,
                      status: Annotated[str | None, Query(pattern="^(candidate|approved|revoked)$")] = None) -> Response:
-        key = (registry.version_stamp(), *paging, status)
-        if key not in version_pages:
-            if len(version_pages) > 256:
-                version_pages.clear()
-            page = services.versions(registry, *paging, status=status)
-            body = json.dumps([v.model_dump(mode="json") for v in page.items], separators=(",", ":")).encode()
-            version_pages[key] = (body, page_headers(request, page))
-        body, headers = version_pages[key]
-        return Response(body, media_type="application/json", headers=headers)
+        return listed(request, lambda: services.versions(registry, *paging, status=status), *paging, status)
 
     @app.get("/api/v1/versions/{version_id}", response_model=schemas.VersionDetail, dependencies=[View])
     def api_version(version_id: VersionId) -> schemas.VersionDetail:

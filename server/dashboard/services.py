@@ -180,7 +180,7 @@ def overview(reg: Registry, admin_enabled: bool) -> schemas.Overview:
     facs = factories(reg)
     approved = reg.current_approved()
     return schemas.Overview(current_run=current, factories_ok=sum(f.status == "ok" for f in facs), factories_failed=sum(f.status == "failed" for f in facs),
-                            versions=len(reg.versions()), approved_version=approved.id if approved else None, admin_actions_enabled=admin_enabled)
+                            versions=reg.version_page(1, 0)[1], approved_version=approved.id if approved else None, admin_actions_enabled=admin_enabled)
 
 
 def fingerprint(reg: Registry) -> str:

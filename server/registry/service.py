@@ -274,13 +274,14 @@ class Registry:
                 q = q.where(Version.architecture == architecture)
             return list(s.scalars(q))
 
-    def version_stamp(self) -> tuple[int, int, int]:
-        """Changes whenever a version list could (a new version, a status change, a new evaluation): one cheap query,
-        so list pages can be served from a cache until it moves."""
+    def stamp(self) -> tuple[Any, ...]:
+        """Changes whenever anything a list could show changes (a run starting or ending, a round, a version, a status
+        change, an evaluation): one cheap query, so list pages can be served from a cache until it moves."""
         with self.session() as s:
-            row = s.execute(select(select(func.count()).select_from(Version).scalar_subquery(), select(func.max(Action.id)).scalar_subquery(),
-                                   select(func.max(Evaluation.id)).scalar_subquery())).one()
-            return int(row[0] or 0), int(row[1] or 0), int(row[2] or 0)
+            row = s.execute(select(*(q.scalar_subquery() for q in (
+                select(func.count()).select_from(Version), select(func.max(Action.id)), select(func.max(Evaluation.id)),
+                select(func.max(Round.id)), select(func.count()).select_from(Run), select(func.max(Run.finished_at)))))).one()
+            return tuple(row)
 
     LISTED_COLUMNS = ("id", "run_id", "server_round", "parent_id", "kind", "architecture", "status", "metrics", "secure_aggregation",
                       "created_at", "sha256", "size_bytes")
