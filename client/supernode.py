@@ -13,15 +13,28 @@ module still sleeps through a module-level ``time`` import; otherwise the SuperN
 ships it and a warning says so. Every pull is one small HTTP request to the SuperLink, so the load on
 it grows with the number of factories divided by the interval (0.5 s: two requests per second per
 idle factory).
+
+Second, every message a factory handles starts a fresh ``flwr-clientapp`` process (Flower's SuperExec
+finds it on PATH). Flower's entry point imports ``flwr.supernode.cli``, whose package ``__init__``
+imports the whole SuperNode (FastAPI, the SQL object store...) that a ClientApp never uses: about
+0.9 s of the ~2.4 s the process needs before it can ask for its message, paid twice per secure round
+by every factory. The SuperNode therefore puts a ``flwr-clientapp`` first on its children's PATH that
+runs the very same function (``flwr/supernode/cli/flwr_clientapp.py``'s ``flwr_clientapp``, same
+arguments, same code) loaded from its file without that package ``__init__``; for any other Flower
+version it imports Flower's entry point as usual. ``FEDFORGE_FAST_CLIENTAPP=0`` turns this off.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import time
 import types
+from pathlib import Path
 
 log = logging.getLogger("fedforge.supernode")
 
@@ -61,8 +74,43 @@ def shorten_idle_poll(seconds: float) -> bool:
     return True
 
 
+LAUNCHER = """#!{python}
+# flwr-clientapp for a FedForge SuperNode (written by client/supernode.py): Flower's own function, loaded
+# without flwr.supernode.cli's package __init__, which imports the whole SuperNode.
+import importlib.util
+import sys
+
+import flwr
+import flwr.supernode
+
+source = flwr.supernode.__path__[0] + "/cli/flwr_clientapp.py"
+if flwr.__version__ == {version!r}:
+    spec = importlib.util.spec_from_file_location("flwr_clientapp_cli", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    entry = module.flwr_clientapp
+else:
+    from flwr.supernode.cli import flwr_clientapp as entry
+sys.argv[0] = "flwr-clientapp"
+sys.exit(entry())
+"""
+
+
+def install_fast_clientapp() -> Path:
+    """Write the ``flwr-clientapp`` launcher into a private directory and put it first on PATH (children inherit it)."""
+    directory = Path(tempfile.mkdtemp(prefix="fedforge-clientapp-"))
+    atexit.register(shutil.rmtree, directory, True)
+    launcher = directory / "flwr-clientapp"
+    launcher.write_text(LAUNCHER.format(python=sys.executable, version=PATCHED_VERSION))
+    launcher.chmod(0o755)
+    os.environ["PATH"] = os.pathsep.join([str(directory), os.environ.get("PATH", "")])
+    return launcher
+
+
 def main() -> None:
     shorten_idle_poll(float(os.environ.get("FEDFORGE_SUPERNODE_POLL_SECONDS", DEFAULT_POLL_SECONDS)))
+    if os.environ.get("FEDFORGE_FAST_CLIENTAPP", "1") != "0":
+        install_fast_clientapp()
     from flwr.supernode.cli import flower_supernode
 
     sys.argv[0] = "flower-supernode"

@@ -19,7 +19,16 @@ from functools import cached_property, lru_cache
 import numpy as np
 
 from common.secagg.messages import Advertise, Boxes, Keys, MessageError, Share
-from common.secagg.primitives import X25519PrivateKey, agree, check_public_key, expand_mask, public_bytes, recover_secret, seed_commitment
+from common.secagg.primitives import (
+    SHARE_BYTES,
+    X25519PrivateKey,
+    agree,
+    check_public_key,
+    expand_mask,
+    public_bytes,
+    recover_secret,
+    seed_commitment,
+)
 
 log = logging.getLogger("fedforge.server.secagg")
 
@@ -29,7 +38,7 @@ MAX_SHARE_SUBSETS = 64  # subsets of t shares tried before a forged share makes 
 
 def _well_formed(share: object) -> bool:
     return (isinstance(share, tuple) and len(share) == 2 and isinstance(share[0], int) and 0 < share[0] < 2**31
-            and isinstance(share[1], bytes) and len(share[1]) == 32)
+            and isinstance(share[1], bytes) and len(share[1]) == SHARE_BYTES)
 
 
 class SecAggAborted(RuntimeError):

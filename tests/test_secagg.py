@@ -173,7 +173,25 @@ def test_shamir_known_vectors_and_threshold():
     shares = share_secret(secret, 3, 5)
     assert [i for i, _ in shares] == [1, 2, 3, 4, 5]
     assert recover_secret(shares[:3]) == secret and recover_secret(shares[2:]) == secret
-    assert recover_secret(shares[:2]) != secret
+    with pytest.raises(ValueError, match="32-byte secret"):  # below the threshold: not the secret (here: not even 32 bytes)
+        recover_secret(shares[:2])
+
+
+@settings(max_examples=25, deadline=None)
+@given(secret=st.binary(min_size=32, max_size=32), holders=st.integers(1, 40), data=st.data())
+def test_any_threshold_shares_recover_the_secret_and_fewer_or_tampered_do_not(secret, holders, data):
+    threshold = data.draw(st.integers(1, holders))
+    shares = share_secret(secret, threshold, holders)
+    assert all(len(share) == 66 for _, share in shares)
+    subset = data.draw(st.lists(st.sampled_from(shares), min_size=threshold, max_size=holders, unique=True))
+    assert recover_secret(subset) == secret
+    tampered = [(subset[0][0], bytes([subset[0][1][0] ^ 1]) + subset[0][1][1:]), *subset[1:]]
+    try:  # a changed share never gives the secret back (callers also check recovered secrets against what was advertised)
+        assert recover_secret(tampered[:threshold]) != secret
+    except ValueError:
+        pass
+    with pytest.raises(ValueError):
+        recover_secret([shares[0], shares[0]])  # a repeated index
 
 
 def test_neighbour_graph_is_regular_and_symmetric():

@@ -279,3 +279,57 @@ def test_the_automatic_degree_keeps_every_neighbourhood_above_its_threshold_and_
         assert n * _short_of_threshold(k + 1, AUTO_DESIGN_DROPOUT) <= AUTO_FAILURE  # the bound it was chosen by
         assert n * _short_of_threshold(k - 1, AUTO_DESIGN_DROPOUT) > AUTO_FAILURE  # and the smallest such degree
     assert degrees[200] < degrees[1000] < degrees[10_000] < 2 * degrees[200]  # 50x the factories, under 2x the neighbours
+
+
+@pytest.fixture(scope="module")
+def seven_agents(tmp_path_factory):
+    """Seven real edge agents (cnn-small, 40 images each), shared by the sparse-graph dropout cases."""
+    root = tmp_path_factory.mktemp("sparse")
+    agents = [serve(AgentConfig(factory_id=f"factory-{i}", listen=f"127.0.0.1:{free_port()}", factory_index=i, num_factories=7, train_size=40,
+                                architecture="cnn-small", state_dir=str(root / f"factory-{i}"))) for i in range(7)]
+    yield agents
+    for agent in agents:
+        agent.stop(0)
+
+
+SPARSE_DROPOUTS = [  # (message type at which factories drop, which, round completes, their inputs in the sum)
+    ("query.secagg_advertise", {"factory-6"}, True, False),
+    ("query.secagg_share", {"factory-6"}, True, False),
+    ("train", {"factory-6"}, True, False),
+    ("query.secagg_unmask", {"factory-6"}, True, True),
+    ("query.secagg_unmask", {"factory-3", "factory-4", "factory-5", "factory-6"}, False, True),  # 3 answer: no neighbourhood keeps 4
+]
+
+
+@pytest.mark.parametrize(("stage", "dropping", "completes", "included"), SPARSE_DROPOUTS,
+                         ids=["advertise", "share", "masked-input", "unmask", "unmask-too-many"])
+def test_sparse_graph_dropouts_at_each_stage_complete_or_abort_cleanly(tmp_path, seven_agents, stage, dropping, completes, included):
+    """SecAgg+ on a 4-regular graph of 7 (threshold 4 of each neighbourhood of 5): a dropout at any stage leaves an exact sum
+    of the right factories, every unmask request stays within one neighbourhood, and too few survivors abort the round
+    with the model untouched."""
+    unmask_requests: list[dict] = []
+    drops = lambda msg, factory_id: factory_id in dropping and msg.metadata.message_type == stage
+
+    def watching(node):
+        def handle(msg):
+            if msg.metadata.message_type == "query.secagg_unmask":
+                unmask_requests.append(dict(msg.content["secagg"]))
+            return node(msg)
+        return handle
+
+    nodes = {i + 1: watching(agent_node(agent, {}, drops)) for i, agent in enumerate(seven_agents)}
+    cfg = _config(tmp_path, num_server_rounds=1, secure_aggregation=True, secagg_degree=4, round_timeout=5, secagg_timeout=5,
+                  federated_evaluation=False, architecture="cnn-small", min_factories=3, expected_factories=7)
+    Federation(ScriptedGrid(nodes), cfg, flwr_run_id="48").run()
+    registry = Registry.at(tmp_path)
+    (round_,) = registry.rounds("run-48")
+    assert all(len(set(r["survivors"]) | set(r["dropped"])) <= 5 for r in unmask_requests)  # a neighbourhood, never the round
+    if not completes:
+        assert round_.status == "aborted" and "threshold" in round_.metrics["reason"]
+        assert len(registry.versions("run-48")) == 1  # only the initial model: nothing was half-applied
+        return
+    examples = {a.trainer.cfg.factory_id: len(a.trainer.data.split(DataRequest()).train) for a in seven_agents}
+    counted = set(examples) if included else set(examples) - dropping
+    assert round_.status == "completed", round_.metrics
+    assert set(round_.participants) == counted and dropping <= set(round_.failures)
+    assert round_.metrics["total-examples"] == sum(examples[name] for name in counted)  # every mask removed, nobody else's input

@@ -35,7 +35,7 @@ def test_virtual_factories_get_their_partition_and_their_own_state(tmp_path):
 def test_simulate_without_ray_says_how_to_install_it(monkeypatch):
     import click
 
-    import server.simulate as simulate
+    from server import simulate
 
     monkeypatch.setattr(simulate.importlib.util, "find_spec", lambda name: None)  # Ray cannot be uninstalled for one test
     with pytest.raises(click.ClickException, match=r"pip install -e '\.\[simulation\]'"):

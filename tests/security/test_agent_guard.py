@@ -144,7 +144,10 @@ def test_split_view_cannot_recover_both_secrets_of_one_factory(six):
         out = six.secagg(u, "unmask", session="split", survivors=[2, 3, 4, 5, 6], dropped=[1])
         key_shares += [(i, s) for v, i, s in zip(out["key-slots"], out["key-index"], out["key-shares"]) if v == 1]
     assert len(seed_shares) == 3 and len(key_shares) == 3  # neither reaches the threshold
-    assert seed_commitment(recover_secret(seed_shares), b"split", 1) != keys[1]["seed-commit"]  # below t: not the secret
+    try:  # below t: not the secret (usually not even a 32-byte value)
+        assert seed_commitment(recover_secret(seed_shares), b"split", 1) != keys[1]["seed-commit"]
+    except ValueError:
+        pass
     server = SecureSum(b"split", alive, 4, 5)
     server.seed_commits[1] = keys[1]["seed-commit"]
     with pytest.raises(SecAggAborted, match="only 3 well-formed shares"):

@@ -1,6 +1,6 @@
 """Plain Flower ClientApp: trains in the ClientApp process, as Flower's examples do."""
 
-from functools import lru_cache
+from functools import cache
 
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -13,7 +13,7 @@ from common.training import train as train_loop
 app = ClientApp()
 
 
-@lru_cache(maxsize=None)
+@cache
 def partition(index: int, num_factories: int, train_size: int):  # type: ignore[no-untyped-def]
     """A partition is generated once per process (a simulation worker serves many virtual nodes, many rounds)."""
     return datasets.factory_dataset(datasets.SyntheticSpec(num_factories=num_factories, train_size=train_size), index)
