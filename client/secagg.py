@@ -30,7 +30,6 @@ from common.secagg.primitives import (
     ShareBoxError,
     SharePair,
     agree,
-    check_public_key,
     expand_mask,
     new_keypair,
     open_box,
@@ -84,6 +83,8 @@ class SecAggClient:
         self.neighbors: list[int] = []
         self.mask_pks: dict[int, bytes] = {}
         self.enc_pks: dict[int, bytes] = {}
+        self._box_keys: dict[int, bytes] = {}  # per neighbour: the share-box key and the pairwise mask key, agreed once
+        self._pair_keys: dict[int, bytes] = {}
         self.received: dict[int, SharePair] = {}  # sender slot -> the shares it gave us
         self.rejected: dict[int, str] = {}  # sender slot -> why its box (or keys) were refused
         self.masked_with: list[int] | None = None  # None until the masked input was made (once per session)
@@ -103,10 +104,11 @@ class SecAggClient:
             raise SecAggProtocolError("the neighbour list must not contain this factory or duplicates, and have one key pair each")
         usable = []
         for v, enc, mask in zip(neighbors, enc_pks, mask_pks):
-            try:
-                check_public_key(enc)
-                check_public_key(mask)
-            except ValueError as exc:
+            try:  # agreeing is the check: a wrong-size or low-order key (an all-zero shared secret) raises ValueError
+                self._box_keys[v] = agree(self._enc_sk, enc, b"enc", self.session, self.slot, v)
+                self._pair_keys[v] = agree(self._mask_sk, mask, b"mask", self.session, self.slot, v)
+            except (ValueError, TypeError) as exc:
+                self._box_keys.pop(v, None)
                 self.rejected[v] = f"unusable public keys: {exc}"
                 log.warning("secagg %s: slot %d advertised unusable keys (%s); treating it as dropped", self.session.decode(), v, exc)
                 continue
@@ -124,8 +126,7 @@ class SecAggClient:
             if holder == self.slot:
                 self.received[self.slot] = pair
                 continue
-            key = agree(self._enc_sk, self.enc_pks[holder], b"enc", self.session, self.slot, holder)
-            boxes[holder] = seal(pair, key, self.session)
+            boxes[holder] = seal(pair, self._box_keys[holder], self.session)
         return boxes
 
     # stage 3 -------------------------------------------------------------------------------
@@ -136,8 +137,7 @@ class SecAggClient:
                 self.rejected[sender] = "not a neighbour"
                 continue
             try:
-                key = agree(self._enc_sk, self.enc_pks[sender], b"enc", self.session, self.slot, sender)
-                self.received[sender] = open_box(bytes(box), key, self.session, sender, self.slot)
+                self.received[sender] = open_box(bytes(box), self._box_keys[sender], self.session, sender, self.slot)
             except (ShareBoxError, ValueError, TypeError) as exc:
                 self.rejected[sender] = str(exc)
                 log.warning("secagg %s: %s; treating slot %d as dropped for this pair", self.session.decode(), exc, sender)
@@ -156,7 +156,7 @@ class SecAggClient:
         n = len(encoded)
         masked = encoded + expand_mask(self._seed, n)
         for v in masked_with:
-            pair_mask = expand_mask(agree(self._mask_sk, self.mask_pks[v], b"mask", self.session, self.slot, v), n)
+            pair_mask = expand_mask(self._pair_keys[v], n)
             masked = masked + pair_mask if self.slot < v else masked - pair_mask
         self.masked_with = masked_with
         return masked

@@ -10,6 +10,7 @@ uint64 words (arithmetic in Z_{2^64}).
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import struct
@@ -55,7 +56,13 @@ def check_public_key(public: bytes) -> None:
     """
     if not isinstance(public, bytes) or len(public) != 32:
         raise ValueError(f"an X25519 public key is 32 bytes, got {len(public) if isinstance(public, bytes) else type(public).__name__}")
-    X25519PrivateKey.generate().exchange(X25519PublicKey.from_public_bytes(public))
+    _checker().exchange(X25519PublicKey.from_public_bytes(public))
+
+
+@functools.cache
+def _checker() -> X25519PrivateKey:
+    """Any clamped scalar maps a low-order point to zero, so one key per process serves every check (never for secrets)."""
+    return X25519PrivateKey.generate()
 
 
 def seed_commitment(seed: bytes, session: bytes, slot: int) -> bytes:
