@@ -2,10 +2,11 @@
 """Cost curves from 10 to 200 factories on Flower's Simulation Engine, side by side in one run.
 
 For each N it runs, on this machine, with the same generated partitions (``--train-size`` images per
-factory) and the default recipe:
+factory), ``--local-epochs`` of training in every run (default 0: what a round costs besides
+training; FedForge then also skips the personal fine-tune) and otherwise the default recipe:
 
-- Flower's own plain simulation (``bench/plain_flower``: the stock FedAvg strategy, ``cnn-small``,
-  no local epochs): the baseline;
+- Flower's own plain simulation (``bench/plain_flower``: the stock FedAvg strategy, ``cnn-small``):
+  the baseline;
 - ``fedforge simulate --no-secure`` (plain FedAvg rounds of the FedForge app);
 - ``fedforge simulate`` with SecAgg+ on the complete graph;
 - ``fedforge simulate`` with SecAgg+ on a sparse graph of fixed degree ``--degree``;
@@ -86,13 +87,15 @@ class Sampler:
         return at(end) - at(start)
 
 
-def fedforge(n: int, rounds: int, train_size: int, work: Path, *flags: str) -> dict[str, float | bool | int]:
+def fedforge(n: int, rounds: int, train_size: int, local_epochs: int, work: Path, *flags: str) -> dict[str, float | bool | int]:
     """One ``fedforge simulate`` run: median round seconds (2..R), peak server RSS, upload bytes, client CPU per factory-round."""
     from server.registry.service import Registry
 
     summary_path = work / "summary.json"
     cmd = [sys.executable, "-m", "common.cli", "simulate", "--factories", str(n), "--rounds", str(rounds), "--train-size", str(train_size),
-           "--workdir", str(work), "--json", str(summary_path), *flags]
+           "--local-epochs", str(local_epochs), "--workdir", str(work), "--json", str(summary_path), *flags]
+    if local_epochs == 0:
+        cmd += ["--set", "personal-epochs=0"]  # no training at all, as the Flower baseline
     with Sampler() as sampler:
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
     if not summary_path.exists():
@@ -117,7 +120,7 @@ def fedforge(n: int, rounds: int, train_size: int, work: Path, *flags: str) -> d
     return out
 
 
-def flower_plain(n: int, rounds: int, train_size: int, work: Path) -> dict[str, float]:
+def flower_plain(n: int, rounds: int, train_size: int, local_epochs: int, work: Path) -> dict[str, float]:
     """Flower's stock FedAvg on its Simulation Engine (bench/plain_flower), same N: the baseline round time."""
     timings = work / "timings.json"
     env = {"FLWR_TELEMETRY_ENABLED": "0", "PYTHONPATH": str(ROOT)}
@@ -126,7 +129,7 @@ def flower_plain(n: int, rounds: int, train_size: int, work: Path) -> dict[str, 
         proc = procs.start("superlink", launch.superlink_command(work, "127.0.0.1", port, simulation=True), env=env, cwd=work)
         wait_for_port("127.0.0.1", port, timeout=90, proc=proc)
         home = launch.flwr_home(work, f"127.0.0.1:{port}")
-        cfg = (f'num-server-rounds={rounds} num-factories={n} architecture="cnn-small" local-epochs=0 train-size={train_size} '
+        cfg = (f'num-server-rounds={rounds} num-factories={n} architecture="cnn-small" local-epochs={local_epochs} train-size={train_size} '
                f'timings-file="{timings}"')
         fed = f"num-supernodes={n} backend='ray' init-args-num-cpus={os.cpu_count()} client-resources-num-cpus={os.cpu_count()}"
         subprocess.run(["flwr", "run", str(ROOT / "bench" / "plain_flower"), launch.CONNECTION, "--run-config", cfg, "--federation-config", fed],
@@ -148,6 +151,7 @@ def main() -> None:
     ap.add_argument("--factories", default="10,50,100,200")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--train-size", type=int, default=30)
+    ap.add_argument("--local-epochs", type=int, default=0, help="local epochs in every run (0: the rounds' own cost, no training)")
     ap.add_argument("--degree", type=int, default=16, help="neighbours per factory of the sparse graph")
     ap.add_argument("--dropout-at", type=int, default=100, help="N for the 30%%-dropout check (0: skip)")
     ap.add_argument("--only", default="flower,plain,complete,sparse", help="which runs per N")
@@ -159,10 +163,10 @@ def main() -> None:
         for n in (int(x) for x in args.factories.split(",")):
             row: dict[str, object] = {"factories": n}
             runs = {
-                "flower": lambda w, n=n: flower_plain(n, args.rounds, args.train_size, w),
-                "plain": lambda w, n=n: fedforge(n, args.rounds, args.train_size, w, "--no-secure"),
-                "complete": lambda w, n=n: fedforge(n, args.rounds, args.train_size, w, "--secagg-degree", str(n + n % 2)),
-                "sparse": lambda w, n=n: fedforge(n, args.rounds, args.train_size, w, "--secagg-degree", str(args.degree)),
+                "flower": lambda w, n=n: flower_plain(n, args.rounds, args.train_size, args.local_epochs, w),
+                "plain": lambda w, n=n: fedforge(n, args.rounds, args.train_size, args.local_epochs, w, "--no-secure"),
+                "complete": lambda w, n=n: fedforge(n, args.rounds, args.train_size, args.local_epochs, w, "--secagg-degree", str(n + n % 2)),
+                "sparse": lambda w, n=n: fedforge(n, args.rounds, args.train_size, args.local_epochs, w, "--secagg-degree", str(args.degree)),
             }
             for name, run in runs.items():
                 if name in only:
@@ -174,7 +178,7 @@ def main() -> None:
             rows.append(row)
         if args.dropout_at:
             n = args.dropout_at
-            check = fedforge(n, args.rounds, args.train_size, Path(tmp) / f"dropout-{n}", "--dropout", "0.3", "--dropout-stages", "unmask", "--audit")
+            check = fedforge(n, args.rounds, args.train_size, args.local_epochs, Path(tmp) / f"dropout-{n}", "--dropout", "0.3", "--dropout-stages", "unmask", "--audit")
             print(f"N={n}, 30% dropping out after the masked input: {check}", file=sys.stderr, flush=True)
             rows.append({"factories": n, "dropout_0.3_unmask": check})
     print(json.dumps(rows, indent=2))

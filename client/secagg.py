@@ -155,9 +155,8 @@ class SecAggClient:
             raise SecAggProtocolError(f"told to mask with {len(masked_with)} neighbours: with itself that is below the threshold {self.threshold}")
         n = len(encoded)
         masked = encoded + expand_mask(self._seed, n)
-        for v in masked_with:
-            pair_mask = expand_mask(self._pair_keys[v], n)
-            masked = masked + pair_mask if self.slot < v else masked - pair_mask
+        for v in masked_with:  # in place: one vector for the whole sum, in Z_2^64 (uint64 wraps)
+            (np.add if self.slot < v else np.subtract)(masked, expand_mask(self._pair_keys[v], n), out=masked)
         self.masked_with = masked_with
         return masked
 
