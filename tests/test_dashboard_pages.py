@@ -58,3 +58,19 @@ def test_a_status_change_shows_in_the_next_list_at_once(client, tmp_path_factory
     registry = Registry.at(client.app_state_dir)
     registry.approve(newest["id"], actor="qa")
     assert client.get("/api/v1/versions", params={"limit": 1}).json()[0]["status"] == "approved"  # the cached page is not served stale
+
+
+def test_the_privacy_list_defers_each_factorys_history_and_a_new_round_shows_at_once(tmp_path):
+    registry = Registry.at(tmp_path, create_key=True)
+    registry.start_run("run-p", "1", {})
+    for r in range(3):
+        registry.add_version(NewVersion(run_id="run-p", server_round=r, parent_id=None, kind="fedavg", architecture="cnn-small",
+                                        weights=OrderedDict(w=np.zeros(2, np.float32)), metrics={}, participants=["a", "b"],
+                                        privacy={f: {"epsilon-spent": 0.5 * (r + 1), "epsilon-max": 8.0} for f in ("a", "b")}))
+    with TestClient(create_app(DashboardSettings(tmp_path))) as c:
+        short = c.get("/api/v1/privacy").json()
+        assert [(p["factory"], p["epsilon_spent"], p["history"]) for p in short] == [("a", 1.5, None), ("b", 1.5, None)]
+        full = c.get("/api/v1/privacy", params={"history": "true"}).json()
+        assert [h["epsilon_spent"] for h in full[0]["history"]] == [0.5, 1.0, 1.5]
+        registry.record_round("run-p", 3, status="aborted", participants=[], failures={"a": "no reply"}, seconds=1.0, version_id=None, metrics={})
+        assert c.get("/api/v1/factories").json()[0]["rounds_failed"] == 1  # the cached list moved with the registry

@@ -125,8 +125,9 @@ def create_app(settings: DashboardSettings) -> FastAPI:
         return listed(request, lambda: services.paged(services.factories(registry), *paging), *paging)
 
     @app.get("/api/v1/privacy", response_model=list[schemas.PrivacyOut], dependencies=[View])
-    def api_privacy(request: Request, paging: Paging) -> Response:
-        return listed(request, lambda: services.paged(services.privacy(registry), *paging), *paging)
+    def api_privacy(request: Request, paging: Paging,
+                    history: Annotated[bool, Query(description="include each factory's spend per round (long: one point per round)")] = False) -> Response:
+        return listed(request, lambda: services.paged(services.privacy(registry, history), *paging), *paging, history)
 
     @app.get("/api/v1/versions", response_model=list[schemas.VersionOut], dependencies=[View])
     def api_versions(request: Request, paging: Paging,

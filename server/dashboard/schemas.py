@@ -114,7 +114,7 @@ class PrivacyOut(BaseModel):
     factory: str
     epsilon_max: float | None
     epsilon_spent: float | None
-    history: list[PrivacyPoint]
+    history: list[PrivacyPoint] | None = None  # per round; in the list only with ?history=true (a deferred column)
 
 
 class Overview(BaseModel):

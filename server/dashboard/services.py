@@ -163,15 +163,16 @@ def latest_privacy(reg: Registry) -> dict[str, dict[str, float]]:
     return latest
 
 
-def privacy(reg: Registry) -> list[schemas.PrivacyOut]:
-    history: dict[str, list[schemas.PrivacyPoint]] = {}
+def privacy(reg: Registry, history: bool = True) -> list[schemas.PrivacyOut]:
+    by_factory: dict[str, list[schemas.PrivacyPoint]] = {}
     for v in reg.versions():
         for factory, p in (v.privacy or {}).items():
             if "epsilon-spent" in p:
-                history.setdefault(factory, []).append(schemas.PrivacyPoint(server_round=v.server_round, epsilon_spent=p["epsilon-spent"]))
+                by_factory.setdefault(factory, []).append(schemas.PrivacyPoint(server_round=v.server_round, epsilon_spent=p["epsilon-spent"]))
     latest = latest_privacy(reg)
-    return [schemas.PrivacyOut(factory=f, epsilon_max=latest[f].get("epsilon-max"), epsilon_spent=latest[f].get("epsilon-spent"), history=h)
-            for f, h in sorted(history.items())]
+    return [schemas.PrivacyOut(factory=f, epsilon_max=latest[f].get("epsilon-max"), epsilon_spent=latest[f].get("epsilon-spent"),
+                               history=points if history else None)
+            for f, points in sorted(by_factory.items())]
 
 
 def overview(reg: Registry, admin_enabled: bool) -> schemas.Overview:

@@ -72,6 +72,11 @@ def make_engine(url: str) -> Engine:
     return engine
 
 
+STAMP = select(*(q.scalar_subquery() for q in (  # built once: SQLAlchemy then reuses its compiled form
+    select(func.count()).select_from(Version), select(func.max(Action.id)), select(func.max(Evaluation.id)),
+    select(func.max(Round.id)), select(func.count()).select_from(Run), select(func.max(Run.finished_at)))))
+
+
 @dataclass
 class NewVersion:
     run_id: str
@@ -277,11 +282,8 @@ class Registry:
     def stamp(self) -> tuple[Any, ...]:
         """Changes whenever anything a list could show changes (a run starting or ending, a round, a version, a status
         change, an evaluation): one cheap query, so list pages can be served from a cache until it moves."""
-        with self.session() as s:
-            row = s.execute(select(*(q.scalar_subquery() for q in (
-                select(func.count()).select_from(Version), select(func.max(Action.id)), select(func.max(Evaluation.id)),
-                select(func.max(Round.id)), select(func.count()).select_from(Run), select(func.max(Run.finished_at)))))).one()
-            return tuple(row)
+        with self.engine.connect() as connection:  # no ORM session: this runs on every list request
+            return tuple(connection.execute(STAMP).one())
 
     LISTED_COLUMNS = ("id", "run_id", "server_round", "parent_id", "kind", "architecture", "status", "metrics", "secure_aggregation",
                       "created_at", "sha256", "size_bytes")
