@@ -24,7 +24,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from common.simulation import dropped_in_run
+from common.simulation import RUN_CONFIG_DEFAULTS, dropped_in_run
 
 log = logging.getLogger("fedforge.simulation")
 
@@ -56,7 +56,7 @@ def agent_config(node_config: dict[str, Any], run_config: dict[str, Any]):  # ty
         classes=str(run_config.get("classes", "")) or AgentConfig.classes,
         data_seed=int(run_config.get("data-seed", 0)),
         alpha=float(run_config.get("alpha", 1.0)),
-        train_size=int(run_config.get("simulation-train-size", 120)),
+        train_size=int(run_config.get("simulation-train-size", RUN_CONFIG_DEFAULTS["simulation-train-size"])),
         torch_threads=1,
         state_dir=str(root / "factories" / factory_name(partition)),
         require_secure_aggregation=secure,  # as `fedforge client` does by default

@@ -13,6 +13,16 @@ from typing import Any
 
 DROPOUT_STAGES = ("advertise", "share", "train", "unmask")  # train: the masked input
 
+# The virtual factories' own settings under `fedforge simulate` (run-config keys, read only by client.simulation; the
+# server ignores them): pyproject's [tool.flwr.app.config] lists exactly these beside the server's and the trainer's keys.
+RUN_CONFIG_DEFAULTS: dict[str, Any] = {
+    "simulation-dir": "",  # where each virtual factory keeps its state (factories/factory-<i>)
+    "simulation-train-size": 120,  # generated images per virtual factory
+    "simulation-dropout": 0.0,  # fraction of factories that drop out at each of the stages below
+    "simulation-dropout-stages": "unmask",
+    "simulation-audit-dir": "",  # where virtual factories write their encoded contributions (checking the sums)
+}
+
 
 def parse_stages(raw: str) -> tuple[str, ...]:
     """``"train,unmask"`` -> ("train", "unmask"); raises naming unknown stages."""

@@ -23,6 +23,7 @@ from typing import Any
 from common.data.classes import DEFAULT_CLASSES, format_classes, parse_classes
 from common.data.datasets import SyntheticSpec
 from common.evaluation import DEFAULT_GOOD_CLASS
+from common.simulation import RUN_CONFIG_DEFAULTS as SIMULATION_KEYS
 from common.training import TrainConfig, coerce
 
 log = logging.getLogger("fedforge.server")
@@ -130,7 +131,7 @@ class FederationConfig:
                     values[name] = coerce(value, type(default)) if default is not None else value
                 except (TypeError, ValueError):
                     raise ValueError(f"run-config key {key!r} must be a {type(default).__name__}, got {value!r}") from None
-            elif key not in training_keys and not key.startswith("simulation-"):  # simulation-*: the virtual factories' settings
+            elif key not in training_keys and key not in SIMULATION_KEYS:  # the virtual factories' own settings
                 unknown.append(key)
         if unknown:
             log.warning("ignoring unknown run-config keys %s", sorted(unknown))

@@ -7,15 +7,16 @@ from pathlib import Path
 
 import pytest
 
+from common.simulation import RUN_CONFIG_DEFAULTS as SIMULATION_DEFAULTS
 from common.training import TrainConfig
 from server.config import FederationConfig
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
 
-def test_pyproject_lists_exactly_the_server_and_trainer_keys_with_their_defaults():
+def test_pyproject_lists_exactly_the_server_trainer_and_simulation_keys_with_their_defaults():
     table = tomllib.loads(PYPROJECT.read_text())["tool"]["flwr"]["app"]["config"]
-    expected = {**FederationConfig.server_keys(), **TrainConfig.run_config_defaults()}
+    expected = {**FederationConfig.server_keys(), **TrainConfig.run_config_defaults(), **SIMULATION_DEFAULTS}
     assert not set(FederationConfig.server_keys()) & set(TrainConfig.run_config_defaults()), "a key may belong to one config type only"
     assert set(table) == set(expected), (sorted(set(table) - set(expected)), sorted(set(expected) - set(table)))
     assert {k: table[k] for k in expected} == expected
