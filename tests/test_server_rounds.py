@@ -21,6 +21,7 @@ from client.agent import serve
 from client.config import AgentConfig
 from client.data import DataRequest
 from common.procs import free_port
+from common.training import TrainConfig
 from server.federation import Federation, FederationConfig
 from server.registry.service import Registry
 
@@ -319,14 +320,16 @@ def test_sparse_graph_dropouts_at_each_stage_complete_or_abort_cleanly(tmp_path,
 
     nodes = {i + 1: watching(agent_node(agent, {}, drops)) for i, agent in enumerate(seven_agents)}
     cfg = _config(tmp_path, num_server_rounds=1, secure_aggregation=True, secagg_degree=4, round_timeout=5, secagg_timeout=5,
-                  federated_evaluation=False, architecture="cnn-small", min_factories=3, expected_factories=7)
-    Federation(ScriptedGrid(nodes), cfg, flwr_run_id="48").run()
+                  federated_evaluation=False, architecture="cnn-small", min_factories=3, expected_factories=7,
+                  training=TrainConfig(epochs=1, personal_epochs=0))
+    run = f"5{len(dropping)}{SPARSE_DROPOUTS.index((stage, dropping, completes, included))}"  # the agents refuse a replayed session
+    Federation(ScriptedGrid(nodes), cfg, flwr_run_id=run).run()
     registry = Registry.at(tmp_path)
-    (round_,) = registry.rounds("run-48")
+    (round_,) = registry.rounds(f"run-{run}")
     assert all(len(set(r["survivors"]) | set(r["dropped"])) <= 5 for r in unmask_requests)  # a neighbourhood, never the round
     if not completes:
         assert round_.status == "aborted" and "threshold" in round_.metrics["reason"]
-        assert len(registry.versions("run-48")) == 1  # only the initial model: nothing was half-applied
+        assert len(registry.versions(f"run-{run}")) == 1  # only the initial model: nothing was half-applied
         return
     examples = {a.trainer.cfg.factory_id: len(a.trainer.data.split(DataRequest()).train) for a in seven_agents}
     counted = set(examples) if included else set(examples) - dropping
