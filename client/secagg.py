@@ -81,8 +81,6 @@ class SecAggClient:
         self._mask_sk, self._mask_pk = new_keypair()
         self._seed = self_mask_seed()
         self.neighbors: list[int] = []
-        self.mask_pks: dict[int, bytes] = {}
-        self.enc_pks: dict[int, bytes] = {}
         self._box_keys: dict[int, bytes] = {}  # per neighbour: the share-box key and the pairwise mask key, agreed once
         self._pair_keys: dict[int, bytes] = {}
         self.received: dict[int, SharePair] = {}  # sender slot -> the shares it gave us
@@ -112,12 +110,10 @@ class SecAggClient:
                 self.rejected[v] = f"unusable public keys: {exc}"
                 log.warning("secagg %s: slot %d advertised unusable keys (%s); treating it as dropped", self.session.decode(), v, exc)
                 continue
-            usable.append((v, enc, mask))
-        holders = sorted([v for v, _, _ in usable] + [self.slot])
+            usable.append(v)
+        holders = sorted([*usable, self.slot])
         self.policy.check(self.threshold, len(holders))
-        self.neighbors = sorted(v for v, _, _ in usable)
-        self.enc_pks = {v: enc for v, enc, _ in usable}
-        self.mask_pks = {v: mask for v, _, mask in usable}
+        self.neighbors = sorted(usable)
         key_shares = share_secret(private_bytes(self._mask_sk), self.threshold, len(holders))
         seed_shares = share_secret(self._seed, self.threshold, len(holders))
         boxes = {}
@@ -132,8 +128,9 @@ class SecAggClient:
     # stage 3 -------------------------------------------------------------------------------
     def receive_boxes(self, boxes: dict[int, bytes]) -> None:
         """Open the share boxes routed to us; a bad box counts as that sender dropping out for us."""
+        neighbors = set(self.neighbors)
         for sender, box in boxes.items():
-            if sender not in self.enc_pks:
+            if sender not in neighbors:
                 self.rejected[sender] = "not a neighbour"
                 continue
             try:

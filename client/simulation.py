@@ -28,6 +28,7 @@ from common.simulation import RUN_CONFIG_DEFAULTS, dropped_in_run
 
 log = logging.getLogger("fedforge.simulation")
 
+
 class SimulatedDropout(RuntimeError):
     """This virtual factory drops out at this stage, as chosen by ``simulation-dropout``."""
 
