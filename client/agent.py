@@ -73,8 +73,8 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
             log.info("round %d: trained on %d examples, loss %.4f%s; %.1fs since the request arrived (%.1fs waiting for the agent, "
                      "%.1fs training)", request.server_round, local.examples, local.metrics["train-loss"], " (secure)" if secure else "",
                      time.monotonic() - arrived, waited, local.metrics["train-seconds"])
-            if self.after_round is not None:
-                threading.Thread(target=self.after_round, daemon=True, name="fedforge-reconsider").start()
+            if self.after_round is not None:  # once this round's personal model exists
+                threading.Thread(target=self._reconsider, daemon=True, name="fedforge-reconsider").start()
             predictions = self.trainer.predict(local.weights, config, proxy, float(config.get("temperature", 2.0))) if proxy is not None else None
             confusion = local.received.confusion if local.received is not None else np.zeros((len(_classes(config)),) * 2, dtype=np.int64)
             update_norm = float(np.linalg.norm(flatten(local.weights) - flatten(global_weights)))
@@ -101,6 +101,10 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
             masked = session.mask(encoded, secure.alive)
             shared = {**metrics, **self._own(local)} if self.trainer.cfg.share_metrics else {}
             return edge_pb2.TrainReply(factory_id=factory_id, masked=to_tensor("masked", masked), metrics={**local.privacy, **shared})
+
+    def _reconsider(self) -> None:
+        self.trainer.wait_personal()
+        self.after_round()
 
     def _require_secure(self, secure: MaskedInput | None, what: str) -> None:
         """A factory that requires secure aggregation answers only inside a secure sum, whatever the server asks."""

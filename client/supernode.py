@@ -18,23 +18,35 @@ Second, every message a factory handles starts a fresh ``flwr-clientapp`` proces
 finds it on PATH). Flower's entry point imports ``flwr.supernode.cli``, whose package ``__init__``
 imports the whole SuperNode (FastAPI, the SQL object store...) that a ClientApp never uses: about
 0.9 s of the ~2.4 s the process needs before it can ask for its message, paid twice per secure round
-by every factory. The SuperNode therefore puts a ``flwr-clientapp`` first on its children's PATH that
-runs the very same function (``flwr/supernode/cli/flwr_clientapp.py``'s ``flwr_clientapp``, same
-arguments, same code) loaded from its file without that package ``__init__``; for any other Flower
-version it imports Flower's entry point as usual. ``FEDFORGE_FAST_CLIENTAPP=0`` turns this off.
+by every factory. The SuperNode therefore puts a ``flwr-clientapp`` first on its children's PATH. By
+default it asks a warm fork server (``client/warm_clientapp.py``, started here with Flower, gRPC,
+numpy and ``cryptography`` already imported) to fork the ClientApp process, which then runs the very
+same function (``flwr/supernode/cli/flwr_clientapp.py``'s ``flwr_clientapp``, same arguments, same
+code) within milliseconds; without that server it starts a fresh process running that function loaded
+from its file without the package ``__init__`` (the *direct* launcher). For any other Flower version
+it imports Flower's entry point as usual. ``FEDFORGE_FAST_CLIENTAPP`` chooses: ``warm`` (default),
+``direct``, or ``0`` (Flower's own ``flwr-clientapp``).
+
+Third, every FedForge process that pulls Flower message objects starts its back-off at 50 ms instead
+of 1 s (``common/flower_waits.py``).
 """
 
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
+
+from common.flower_waits import shorten_object_pull_backoff
 
 log = logging.getLogger("fedforge.supernode")
 
@@ -74,43 +86,68 @@ def shorten_idle_poll(seconds: float) -> bool:
     return True
 
 
-LAUNCHER = """#!{python}
+DIRECT_LAUNCHER = """#!{python}
 # flwr-clientapp for a FedForge SuperNode (written by client/supernode.py): Flower's own function, loaded
 # without flwr.supernode.cli's package __init__, which imports the whole SuperNode.
-import importlib.util
 import sys
 
-import flwr
-import flwr.supernode
+from client.supernode import flwr_clientapp_entry
+from common.flower_waits import shorten_object_pull_backoff
 
-source = flwr.supernode.__path__[0] + "/cli/flwr_clientapp.py"
-if flwr.__version__ == {version!r}:
-    spec = importlib.util.spec_from_file_location("flwr_clientapp_cli", source)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    entry = module.flwr_clientapp
-else:
-    from flwr.supernode.cli import flwr_clientapp as entry
+shorten_object_pull_backoff()
 sys.argv[0] = "flwr-clientapp"
-sys.exit(entry())
+sys.exit(flwr_clientapp_entry()())
 """
 
 
-def install_fast_clientapp() -> Path:
-    """Write the ``flwr-clientapp`` launcher into a private directory and put it first on PATH (children inherit it)."""
+def flwr_clientapp_entry() -> Callable[[], object]:
+    """Flower's ``flwr_clientapp`` function, loaded from its file without the SuperNode package ``__init__``
+    on the Flower version this was checked against (any other: Flower's entry point, imported as usual)."""
+    import flwr
+    import flwr.supernode
+
+    if flwr.__version__ != PATCHED_VERSION:
+        from flwr.supernode.cli import flwr_clientapp
+
+        return flwr_clientapp
+    source = Path(flwr.supernode.__path__[0]) / "cli" / "flwr_clientapp.py"
+    spec = importlib.util.spec_from_file_location("flwr_clientapp_cli", source)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.flwr_clientapp  # type: ignore[no-any-return]
+
+
+def install_fast_clientapp(mode: str = "warm") -> Path:
+    """Put a ``flwr-clientapp`` launcher first on PATH (children inherit it); returns it.
+
+    ``direct``: Flower's function in a fresh process without the SuperNode import; ``warm``: forked from
+    a warm server (``client/warm_clientapp.py``) started here, the direct launcher as its fallback."""
     directory = Path(tempfile.mkdtemp(prefix="fedforge-clientapp-"))
     atexit.register(shutil.rmtree, directory, True)
-    launcher = directory / "flwr-clientapp"
-    launcher.write_text(LAUNCHER.format(python=sys.executable, version=PATCHED_VERSION))
-    launcher.chmod(0o755)
+    direct = directory / ("flwr-clientapp" if mode == "direct" else "flwr-clientapp-direct")
+    direct.write_text(DIRECT_LAUNCHER.format(python=sys.executable))
+    direct.chmod(0o755)
+    launcher = direct
+    if mode == "warm":
+        from client import warm_clientapp
+
+        socket_path = directory / "warm.sock"
+        server = subprocess.Popen([sys.executable, "-m", "client.warm_clientapp", "--socket", str(socket_path),
+                                   "--parent-pid", str(os.getpid())])
+        atexit.register(server.terminate)
+        os.environ[warm_clientapp.SOCKET_ENV] = str(socket_path)
+        launcher = warm_clientapp.write_launcher(directory, direct)
     os.environ["PATH"] = os.pathsep.join([str(directory), os.environ.get("PATH", "")])
     return launcher
 
 
 def main() -> None:
+    shorten_object_pull_backoff()
     shorten_idle_poll(float(os.environ.get("FEDFORGE_SUPERNODE_POLL_SECONDS", DEFAULT_POLL_SECONDS)))
-    if os.environ.get("FEDFORGE_FAST_CLIENTAPP", "1") != "0":
-        install_fast_clientapp()
+    mode = os.environ.get("FEDFORGE_FAST_CLIENTAPP", "warm")
+    if mode != "0":
+        install_fast_clientapp("direct" if mode == "direct" else "warm")
     from flwr.supernode.cli import flower_supernode
 
     sys.argv[0] = "flower-supernode"

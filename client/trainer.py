@@ -4,8 +4,9 @@ This is the library the edge agent serves over gRPC and that the ClientApp calls
 agent is configured (simulation, unit tests). A round reads top to bottom in `FactoryTrainer.train`:
 prepare the model and data the run asks for, evaluate the received global model on the held-out
 split (federated evaluation rides on the train message), charge the privacy ledger, train (in
-process, in the DDP/FSDP worker group, or with DP-SGD), evaluate the result (personalisation), check
-the new weights, report.
+process, in the DDP/FSDP worker group, or with DP-SGD), evaluate the result, check the new weights,
+report. The personal fine-tune of the received model runs after that, beside the round: it never
+leaves the factory, so the round need not wait for it (`wait_personal` does, where its figures are read).
 
 For the pretrained family the frozen backbone's features are computed once per image and cached
 (`common.features`), so training and evaluation run on the head alone.
@@ -14,8 +15,11 @@ For the pretrained family the frozen backbone's features are computed once per i
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +84,15 @@ class LocalRound:
     privacy: dict[str, float]  # epsilon spent / remaining / max, delta, noise multiplier (DP rounds)
 
 
+def _lower_thread_priority(niceness: int = 10) -> None:
+    """Run the calling thread at a lower CPU priority (Linux schedules threads individually): background work on
+    an edge node, such as the personal fine-tune, then yields the cores to the round's own messages."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+    except (AttributeError, OSError) as exc:  # not Linux, or not permitted: same priority as the round
+        log.debug("personal fine-tune keeps normal priority: %s", exc)
+
+
 class FactoryTrainer:
     """One factory's warm state: its data, feature cache, models, privacy ledger and worker group."""
 
@@ -97,6 +110,9 @@ class FactoryTrainer:
         self.budget = cfg.privacy_budget()
         self.ledger = PrivacyLedger(state / "privacy-ledger.db", cfg.factory_id) if self.budget else None
         self.personal = PersonalModels(state / "personal") if cfg.personalize else None
+        self._personal_jobs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedforge-personal", initializer=_lower_thread_priority)
+        self._personal_done: Future[None] | None = None
+        self._figures_lock = threading.Lock()
         self.workers = WorkerGroup(cfg, cfg.parallelism, cfg.local_world_size) if cfg.parallelism != "none" else None
         self.last_figures: dict[str, Any] = {}  # this factory's own latest evaluation (Health, logs)
         counts = self.data.counts()
@@ -202,28 +218,44 @@ class FactoryTrainer:
         check_like(weights, new, source=f"factory {self.cfg.factory_id} local training")
         trained = evaluate(trainable, prep.held_out) if len(prep.held_out) else None
         if received is not None and trained is not None:
-            self.last_figures = {"round": server_round, "held-out": received.examples, "global-accuracy": received.accuracy,
-                                 "local-accuracy": trained.accuracy}
+            with self._figures_lock:
+                self.last_figures = {"round": server_round, "held-out": received.examples, "global-accuracy": received.accuracy,
+                                     "local-accuracy": trained.accuracy}
             log.info("round %d: the global model scores %.4f on this factory's %d held-out images; after local training %.4f",
                      server_round, received.accuracy, received.examples, trained.accuracy)
             if self.personal is not None and cfg.personal_epochs > 0:
-                self._personalise(prep, weights, cfg, received, server_round)
+                self._personal_done = self._personal_jobs.submit(self._personalise, prep, weights, cfg, received, server_round)
         metrics = {"train-loss": result.loss, "train-accuracy": result.accuracy, "steps": float(result.steps),
                    "train-seconds": train_seconds, "eval-seconds": eval_seconds}
         return LocalRound(new, result.examples, received, trained, metrics, privacy)
 
+    def wait_personal(self) -> None:
+        """Wait for the latest round's personal fine-tune (its model and figures), however it ended."""
+        done = self._personal_done
+        if done is not None:
+            done.exception()
+
     def _personalise(self, prep: Prepared, received_weights: OrderedDict[str, np.ndarray], cfg: TrainConfig, received: EvalResult,
                      server_round: int) -> None:
         """The factory's personal model: the global model it received, fine-tuned on its own images (it never leaves the
-        factory, so it costs no privacy budget). Inspection serves it when it scores better on the held-out split."""
+        factory, so it costs no privacy budget). Inspection serves it when it scores better on the held-out split.
+
+        Runs on the personal-jobs thread, one round after another; it only reads the round's prepared data and
+        builds its own model, so the next message need not wait for it. A failure is logged, never raised."""
         assert self.personal is not None
-        model = load_weights(build_model(prep.architecture, len(prep.request.classes), in_channels=prep.request.channels), received_weights)
-        tuned = federated_part(model)
-        train(tuned, prep.train_set, cfg.personal())
-        score = evaluate(tuned, prep.held_out)
-        self.personal.offer(prep.architecture, prep.request, OrderedDict((k, v.detach().cpu().numpy().copy()) for k, v in tuned.state_dict().items()),
-                            score.accuracy, received.accuracy, server_round)
-        self.last_figures |= {"personal-accuracy": score.accuracy}
+        try:
+            model = load_weights(build_model(prep.architecture, len(prep.request.classes), in_channels=prep.request.channels), received_weights)
+            tuned = federated_part(model)
+            train(tuned, prep.train_set, cfg.personal())
+            score = evaluate(tuned, prep.held_out)
+            self.personal.offer(prep.architecture, prep.request, OrderedDict((k, v.detach().cpu().numpy().copy()) for k, v in tuned.state_dict().items()),
+                                score.accuracy, received.accuracy, server_round)
+        except Exception:
+            log.exception("round %d: the personal fine-tune failed; inspection keeps the previous choice", server_round)
+            return
+        with self._figures_lock:
+            if self.last_figures.get("round") == server_round:
+                self.last_figures = {**self.last_figures, "personal-accuracy": score.accuracy}
         log.info("round %d: personal model (%d epochs on this factory's images) scores %.4f on the held-out images, the global %.4f",
                  server_round, cfg.personal_epochs, score.accuracy, received.accuracy)
 
@@ -253,7 +285,8 @@ class FactoryTrainer:
         prep = self.prepare(weights, config)
         result = evaluate(prep.trainable, prep.held_out)
         log.info("evaluation: the global model scores %.4f on this factory's %d held-out images", result.accuracy, result.examples)
-        self.last_figures = {**self.last_figures, "final-global-accuracy": result.accuracy, "held-out": result.examples}
+        with self._figures_lock:
+            self.last_figures = {**self.last_figures, "final-global-accuracy": result.accuracy, "held-out": result.examples}
         return result
 
     def score(self, architecture: str, weights: OrderedDict[str, np.ndarray], request: DataRequest) -> float:
@@ -287,6 +320,7 @@ class FactoryTrainer:
         return {"epsilon-spent": spent, "epsilon-remaining": max(0.0, self.budget.epsilon_max - spent), "epsilon-max": self.budget.epsilon_max}
 
     def close(self) -> None:
+        self._personal_jobs.shutdown(wait=True)  # a personal model being written is finished, not torn
         if self.workers is not None:
             self.workers.close()
         if self.ledger is not None:

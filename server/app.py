@@ -8,6 +8,7 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from common.flower_waits import shorten_object_pull_backoff
 from server.federation import Federation, FederationConfig
 
 app = ServerApp()
@@ -28,4 +29,5 @@ def _log_to_registry(registry_dir: str) -> None:
 def main(grid: Grid, context: Context) -> None:
     cfg = FederationConfig.from_run_config(dict(context.run_config))
     _log_to_registry(cfg.registry_dir)
+    shorten_object_pull_backoff()  # replies' objects: poll from 50 ms, not Flower's 1 s
     Federation(grid, cfg, flwr_run_id=str(context.run_id)).run()

@@ -167,6 +167,7 @@ def test_personal_model_is_served_only_when_it_validates_better(tmp_path):
     trainer = FactoryTrainer(AgentConfig(factory_id="p", train_size=60, alpha=0.1, state_dir=str(tmp_path)))
     initial = weights_of(build_model(ARCH, 6, seed=0))
     local = trainer.train(initial, {**CONFIG, "local-epochs": 3, "lr": 0.01, "personal-epochs": 5}, 1, run_id="r")
+    trainer.wait_personal()  # the fine-tune runs beside the round
     personal, record = trainer.personal.get(ARCH)
     # the personal model is the received global model fine-tuned here, not the update that was sent
     assert record.global_accuracy == pytest.approx(local.received.accuracy) and not np.allclose(personal["weight"], local.weights["weight"])

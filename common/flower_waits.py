@@ -1,0 +1,41 @@
+"""Flower 1.42's wait for a message's objects, shortened for FedForge's processes.
+
+A Flower message travels as a head plus content objects, and every hop announces the head before its
+objects have all arrived: the SuperNode registers a message (so its ClientApp starts) while it is still
+pulling the message's arrays from the SuperLink, and the SuperLink lists a message while its sender
+is still pushing them. A reader that asks for an object too early gets "unavailable" and backs off
+for 1 s, then 2 s, 4 s... (``flwr.supercore.inflatable.inflatable_utils.pull_objects``, defaults
+``PULL_INITIAL_BACKOFF = 1``, ``PULL_BACKOFF_CAP = 10``, no flag or environment variable), although
+the object typically lands a few milliseconds later. Measured on loopback with the default head,
+these back-offs added 1-3.5 s to single factories' message phases, at random.
+
+`shorten_object_pull_backoff` starts that back-off at 50 ms and caps it at 1 s in the process that
+calls it (the SuperNode, the ClientApp processes and the ServerApp call it); the retry limit and the
+overall deadline stay Flower's. It applies only to the Flower version it was checked against.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("fedforge.flower")
+
+CHECKED_VERSION = "1.42.0"
+INITIAL_BACKOFF_S = 0.05
+BACKOFF_CAP_S = 1.0
+
+
+def shorten_object_pull_backoff(initial: float = INITIAL_BACKOFF_S, cap: float = BACKOFF_CAP_S) -> bool:
+    """Lower the default back-off of Flower's object pulls in this process; returns whether it applied."""
+    import flwr
+    from flwr.supercore.inflatable import inflatable_utils
+
+    functions = (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree)
+    if getattr(flwr, "__version__", "") != CHECKED_VERSION or not all(
+            {"initial_backoff", "backoff_cap"} <= set(fn.__kwdefaults__ or {}) for fn in functions):
+        log.warning("Flower %s: object pulls keep Flower's back-off (the change targets %s)", getattr(flwr, "__version__", "?"), CHECKED_VERSION)
+        return False
+    for fn in functions:
+        fn.__kwdefaults__ = {**fn.__kwdefaults__, "initial_backoff": initial, "backoff_cap": cap}
+    return True
+

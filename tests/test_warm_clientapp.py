@@ -1,0 +1,173 @@
+"""The warm fork server behind the SuperNode's ``flwr-clientapp`` launcher (client/warm_clientapp.py).
+
+Real processes throughout: the server runs in its own process, the launcher is the very script the
+SuperNode puts on PATH, started the way Flower's SuperExec starts it. The server runs a small entry
+function instead of Flower's (the end-to-end tests run Flower's through it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from client import warm_clientapp
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The ClientApp stand-in: reports what it was started with, optionally waits, exits with a chosen status.
+SERVER = textwrap.dedent("""
+    import json, os, sys, time
+    from pathlib import Path
+    sys.path.insert(0, {root!r})
+    from client.warm_clientapp import serve
+
+    def entry():
+        args = sys.argv[1:]
+        print(json.dumps({{"argv": sys.argv, "cwd": os.getcwd(), "marker": os.environ.get("MARKER"), "pid": os.getpid()}}), flush=True)
+        if "--sleep" in args:
+            time.sleep(60)
+        if "--raise" in args:
+            raise RuntimeError("the ClientApp failed")
+        sys.exit(int(args[args.index("--exit") + 1]) if "--exit" in args else 0)
+
+    serve(Path({socket!r}), int({parent}), entry=entry)
+""")
+
+
+def _wait_for(predicate, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def warm(tmp_path):
+    """A running fork server and the launcher that talks to it (plus the direct launcher it falls back to)."""
+    socket_path = tmp_path / "warm.sock"
+    direct = tmp_path / "flwr-clientapp-direct"
+    direct.write_text(f"#!{sys.executable}\nimport sys\nprint('direct', sys.argv[1:])\nsys.exit(7)\n")
+    direct.chmod(0o755)
+    launcher = warm_clientapp.write_launcher(tmp_path, direct)
+    server = subprocess.Popen([sys.executable, "-c", SERVER.format(root=str(ROOT), socket=str(socket_path), parent=os.getpid())])
+    _wait_for(socket_path.exists, "the fork server's socket")
+    env = {**os.environ, warm_clientapp.SOCKET_ENV: str(socket_path), "MARKER": "from-the-launcher"}
+    yield launcher, env, server
+    server.kill()
+    server.wait()
+
+
+def _launch(launcher: Path, env: dict[str, str], *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(launcher), *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_the_child_gets_the_launchers_arguments_environment_directory_streams_and_reports_its_status(warm, tmp_path):
+    launcher, env, server = warm
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    done = _launch(launcher, env, "--token", "abc", "--exit", "3", cwd=workdir)
+    assert done.returncode == 3, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["argv"] == ["flwr-clientapp", "--token", "abc", "--exit", "3"]
+    assert seen["cwd"] == str(workdir) and seen["marker"] == "from-the-launcher"
+    assert seen["pid"] not in (server.pid, os.getpid())  # a forked child, not the server itself
+    ok = _launch(launcher, env, "--token", "def", cwd=workdir)
+    assert ok.returncode == 0 and json.loads(ok.stdout)["pid"] != seen["pid"]  # one fresh child per message
+    failed = _launch(launcher, env, "--raise", cwd=workdir)
+    assert failed.returncode == 1 and "the ClientApp failed" in failed.stderr
+
+
+def test_terminating_the_launcher_terminates_its_clientapp(warm, tmp_path):
+    launcher, env, _ = warm
+    proc = subprocess.Popen([str(launcher), "--sleep"], env=env, cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    child = json.loads(proc.stdout.readline())["pid"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) != 0
+    _wait_for(lambda: not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1][:3],
+              "the ClientApp to stop")
+
+
+def test_a_killed_launcher_takes_its_clientapp_with_it(warm, tmp_path):
+    launcher, env, _ = warm
+    proc = subprocess.Popen([str(launcher), "--sleep"], env=env, cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    child = json.loads(proc.stdout.readline())["pid"]
+    proc.kill()
+    proc.wait()
+    _wait_for(lambda: not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1][:3],
+              "the orphaned ClientApp to stop")
+
+
+def test_without_a_server_the_launcher_starts_a_fresh_process(warm, tmp_path):
+    launcher, env, server = warm
+    server.kill()
+    server.wait()
+    done = _launch(launcher, {**env, warm_clientapp.SOCKET_ENV: str(tmp_path / "absent.sock")}, "--token", "x", cwd=tmp_path)
+    assert done.returncode == 7 and "direct ['--token', 'x']" in done.stdout
+
+
+def test_a_malformed_request_is_refused_and_the_server_keeps_serving(warm, tmp_path):
+    import socket
+
+    launcher, env, server = warm
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(env[warm_clientapp.SOCKET_ENV])
+        sock.sendall(b"not a request")  # no descriptors, no length-prefixed JSON
+        try:
+            answer = sock.recv(4)
+        except ConnectionResetError:  # closed with our bytes unread
+            answer = b""
+        assert answer == b""  # no child pid: nothing was started
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:  # the right framing, a body that is not a request
+        sock.connect(env[warm_clientapp.SOCKET_ENV])
+        body = json.dumps(["flwr-clientapp"]).encode()
+        socket.send_fds(sock, [len(body).to_bytes(4, "big")], [0, 1, 2])
+        sock.sendall(body)
+        assert sock.recv(4) == b""
+    done = _launch(launcher, env, "--exit", "0", cwd=tmp_path)
+    assert done.returncode == 0 and server.poll() is None
+
+
+def test_the_server_exits_with_its_supernode(tmp_path):
+    socket_path = tmp_path / "warm.sock"
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, subprocess, sys, time
+        code = {SERVER!r}.format(root={str(ROOT)!r}, socket={str(socket_path)!r}, parent=os.getpid())
+        server = subprocess.Popen([sys.executable, "-c", code])
+        print(server.pid, flush=True)
+        time.sleep(600)
+    """)], stdout=subprocess.PIPE, text=True)
+    server_pid = int(parent.stdout.readline())
+    _wait_for(socket_path.exists, "the fork server's socket")
+    parent.kill()
+    parent.wait()
+    _wait_for(lambda: not Path(f"/proc/{server_pid}").exists() or "Z" in Path(f"/proc/{server_pid}/stat").read_text().rsplit(")", 1)[1][:3],
+              "the fork server to exit after its SuperNode")
+
+
+def test_flower_object_pulls_start_backing_off_at_50_ms_and_still_succeed():
+    from flwr.supercore.inflatable import inflatable_utils
+    from flwr.supercore.inflatable.inflatable_utils import ObjectUnavailableError
+
+    from common.flower_waits import shorten_object_pull_backoff
+
+    assert shorten_object_pull_backoff()
+    for fn in (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree):
+        assert fn.__kwdefaults__["initial_backoff"] == 0.05 and fn.__kwdefaults__["backoff_cap"] == 1.0
+    tries = {"a": 0}
+
+    def pull(object_id: str) -> bytes:  # unavailable twice, as when the sender is still pushing it
+        tries[object_id] += 1
+        if tries[object_id] < 3:
+            raise ObjectUnavailableError(object_id)
+        return b"content"
+
+    assert inflatable_utils.pull_objects(["a"], pull) == {"a": b"content"} and tries["a"] == 3
