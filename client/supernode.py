@@ -28,7 +28,10 @@ it imports Flower's entry point as usual. ``FEDFORGE_FAST_CLIENTAPP`` chooses: `
 ``direct``, or ``0`` (Flower's own ``flwr-clientapp``).
 
 Third, every FedForge process that pulls Flower message objects starts its back-off at 50 ms instead
-of 1 s (``common/flower_waits.py``).
+of 1 s (``common/flower_waits.py``). Fourth, a SuperNode that lost its SuperLink (a central restart)
+retries at most every ``FEDFORGE_SUPERNODE_RECONNECT_SECONDS`` (default 4 s, with Flower's jitter)
+instead of every 20 s, so factories are back within seconds of the central site; 1,000 disconnected
+factories then ask about 250 times a second between them.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ log = logging.getLogger("fedforge.supernode")
 
 PATCHED_VERSION = "1.42.0"
 DEFAULT_POLL_SECONDS = 0.5
+DEFAULT_RECONNECT_SECONDS = 4.0
 FLOWER_IDLE_SLEEP = 3.0  # the hard-coded sleep after an empty pull
 REPLY_POLL_SECONDS = 0.1
 
@@ -83,6 +87,18 @@ def shorten_idle_poll(seconds: float) -> bool:
                     getattr(flwr, "__version__", "?"), PATCHED_VERSION)
         return False
     loop.time = _CappedSleep(max(0.05, seconds))  # type: ignore[assignment]
+    return True
+
+
+def shorten_reconnect_backoff(seconds: float) -> bool:
+    """Cap the wait between the SuperNode's attempts to reach its SuperLink (Flower: 20 s); returns whether it applied."""
+    import flwr
+    from flwr.supercore.retry import http_retry
+
+    if getattr(flwr, "__version__", "") != PATCHED_VERSION or not isinstance(getattr(http_retry, "MAX_RETRY_DELAY", None), (int, float)):
+        log.warning("Flower %s: the SuperNode's reconnect back-off is left at Flower's default", getattr(flwr, "__version__", "?"))
+        return False
+    http_retry.MAX_RETRY_DELAY = max(0.5, seconds)  # type: ignore[attr-defined]  # read when each back-off starts
     return True
 
 
@@ -144,6 +160,7 @@ def install_fast_clientapp(mode: str = "warm") -> Path:
 
 def main() -> None:
     shorten_object_pull_backoff()
+    shorten_reconnect_backoff(float(os.environ.get("FEDFORGE_SUPERNODE_RECONNECT_SECONDS", DEFAULT_RECONNECT_SECONDS)))
     shorten_idle_poll(float(os.environ.get("FEDFORGE_SUPERNODE_POLL_SECONDS", DEFAULT_POLL_SECONDS)))
     mode = os.environ.get("FEDFORGE_FAST_CLIENTAPP", "warm")
     if mode != "0":

@@ -113,6 +113,27 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def process_identity(pid: int | None = None) -> dict[str, object]:
+    """This host, a pid and the kernel's start time of that pid: together they name one process, even after the pid is reused."""
+    pid = os.getpid() if pid is None else pid
+    return {"host": socket.gethostname(), "pid": pid, "start": _start_ticks(pid)}
+
+
+def process_gone(identity: dict[str, object] | None) -> bool:
+    """Whether the process ``identity`` names has ended; False when it ran on another host (nothing to tell here)."""
+    if not identity or identity.get("host") != socket.gethostname() or not isinstance(identity.get("pid"), int):
+        return False
+    pid = int(identity["pid"])  # type: ignore[arg-type]
+    return not _alive(pid) or _start_ticks(pid) != identity.get("start")
+
+
+def _start_ticks(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
     """SIGTERM the process's group, then SIGKILL it if it has not exited within ``timeout``; then whatever Flower
     detached from it (`detached_descendants`)."""

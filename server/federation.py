@@ -39,6 +39,7 @@ from flwr.supercore.inflatable.inflatable_utils import ObjectPullError, ObjectPu
 from common.distill import DistillConfig, ProxySet
 from common.evaluation import figures
 from common.models import ARCHITECTURES, backbone_of, build_model, federated_part, load_weights, weights_of
+from common.procs import process_identity
 from common.training import set_torch_threads, torch_threads
 from server.central import CentralData
 from server.config import FederationConfig
@@ -51,6 +52,7 @@ from server.reduce import evaluation_metrics
 from server.registry.artifacts import decode_weights, encode_weights
 from server.registry.service import NewEvaluation, NewVersion, Registry
 from server.secure_round import SecureRounds
+from server.supervisor import SERVERAPP_KEY
 
 log = logging.getLogger("fedforge.server")
 
@@ -95,7 +97,8 @@ class Federation:
     # ---------------------------------------------------------------------------------------
     def run(self) -> None:
         cfg = self.cfg
-        self.registry.start_run(self.run_id, self.flwr_run_id, {**asdict(cfg), "training": asdict(cfg.training)})
+        self.registry.start_run(self.run_id, self.flwr_run_id, {**asdict(cfg), "training": asdict(cfg.training),
+                                                                SERVERAPP_KEY: process_identity()})
         log.info("run %s: %d rounds (default architecture %s, classes %s, %d px x %d channel(s), server optimiser %s, distillation %s), registry %s",
                  self.run_id, cfg.num_server_rounds, cfg.architecture, list(self.classes), cfg.image_size, cfg.channels, cfg.server_optimizer,
                  cfg.distill, cfg.registry_dir)

@@ -5,19 +5,26 @@ Flower has no resume: a run whose SuperLink or ServerApp dies ends as failed. Th
 FedForge having recorded its end, marks it ``interrupted`` in the registry and submits a new run that
 continues from the last complete version (rounds keep their numbers, none is counted twice) until
 version N exists.
+
+A ServerApp that dies is noticed by Flower only when its heartbeat lapses (30 s interval, patience 2:
+about a minute). The ServerApp records its process identity in its registry run (`SERVERAPP_KEY`);
+when that process is gone from this host, the supervisor stops the Flower run and resumes at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from pathlib import Path
 from typing import Any
 
+from common.procs import process_gone
 from server import launch
 from server.registry.service import Registry
 
 log = logging.getLogger("fedforge.supervisor")
+SERVERAPP_KEY = "serverapp-process"  # in a run's registry config: host, pid and start time of its ServerApp
 
 
 class FederationSupervisor(threading.Thread):
@@ -54,6 +61,14 @@ class FederationSupervisor(threading.Thread):
         run = self.registry.get_run(f"run-{self.active}")
         if run is not None and run.status != "running":
             log.info("run %s ended: %s", self.active, run.status)
+            self.active = None
+            return
+        if run is not None and process_gone(run.config.get(SERVERAPP_KEY)):
+            log.warning("run %s: its ServerApp (pid %s) is gone; stopping the Flower run and resuming", self.active,
+                        run.config[SERVERAPP_KEY].get("pid"))
+            with contextlib.suppress(Exception):  # Flower may have ended it already
+                launch.stop_run(self.home, self.active)
+            self.registry.finish_run(run.id, "interrupted", "the ServerApp process died; the federation resumes from the last version")
             self.active = None
             return
         status = launch.run_status(self.home, self.active)

@@ -1,6 +1,8 @@
-"""The warm fork server behind the SuperNode's ``flwr-clientapp`` launcher (client/warm_clientapp.py).
+"""How FedForge runs Flower's processes: the warm fork server behind the SuperNode's ``flwr-clientapp``
+launcher (client/warm_clientapp.py), Flower's shortened waits, and how the supervisor tells a dead
+ServerApp from a live one.
 
-Real processes throughout: the server runs in its own process, the launcher is the very script the
+Fork server tests use real processes throughout: the server runs in its own process, the launcher is the very script the
 SuperNode puts on PATH, started the way Flower's SuperExec starts it. The server runs a small entry
 function instead of Flower's (the end-to-end tests run Flower's through it).
 """
@@ -153,12 +155,14 @@ def test_the_server_exits_with_its_supernode(tmp_path):
               "the fork server to exit after its SuperNode")
 
 
-def test_flower_object_pulls_start_backing_off_at_50_ms_and_still_succeed():
+def test_flower_object_pulls_start_backing_off_at_50_ms_and_still_succeed(monkeypatch):
     from flwr.supercore.inflatable import inflatable_utils
     from flwr.supercore.inflatable.inflatable_utils import ObjectUnavailableError
 
     from common.flower_waits import shorten_object_pull_backoff
 
+    for fn in (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree):
+        monkeypatch.setattr(fn, "__kwdefaults__", dict(fn.__kwdefaults__))  # Flower's defaults again after the test
     assert shorten_object_pull_backoff()
     for fn in (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree):
         assert fn.__kwdefaults__["initial_backoff"] == 0.05 and fn.__kwdefaults__["backoff_cap"] == 1.0
@@ -171,3 +175,29 @@ def test_flower_object_pulls_start_backing_off_at_50_ms_and_still_succeed():
         return b"content"
 
     assert inflatable_utils.pull_objects(["a"], pull) == {"a": b"content"} and tries["a"] == 3
+
+
+def test_a_supernode_that_lost_its_superlink_retries_at_most_every_few_seconds(monkeypatch):
+    from flwr.supercore.retry import http_retry, make_simple_http_retry_invoker
+
+    from client.supernode import shorten_reconnect_backoff
+
+    monkeypatch.setattr(http_retry, "MAX_RETRY_DELAY", http_retry.MAX_RETRY_DELAY)  # Flower's 20 s again after the test
+
+    assert shorten_reconnect_backoff(4.0)
+    waits = make_simple_http_retry_invoker().wait_gen_factory()  # the generator Flower's SuperNode backs off with
+    delays = [next(waits) for _ in range(12)]
+    assert max(delays) <= 4.0 and delays[-1] > 0  # Flower's own cap is 20 s
+
+
+def test_a_process_identity_survives_pid_reuse_and_names_only_this_host():
+    from common.procs import process_gone, process_identity
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    identity = process_identity(proc.pid)
+    assert not process_gone(identity)
+    assert process_gone({**identity, "start": int(identity["start"]) + 1})  # same pid, another process
+    assert not process_gone({**identity, "host": "another-host"})  # nothing to tell from here
+    proc.kill()
+    proc.wait()
+    assert process_gone(identity)
