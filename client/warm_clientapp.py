@@ -42,6 +42,7 @@ from pathlib import Path
 log = logging.getLogger("fedforge.warm-clientapp")
 
 SOCKET_ENV = "FEDFORGE_CLIENTAPP_SOCKET"
+OWN_PACKAGES = ("client", "common", "server")  # FedForge's top-level packages: what a FAB ships
 MAX_REQUEST_BYTES = 4 << 20  # argv + environment; a real one is a few KiB
 REQUEST_TIMEOUT_S = 5.0
 # What every ClientApp process imports before FedForge's own modules (measured with -X importtime).
@@ -135,6 +136,7 @@ def serve(path: Path, parent_pid: int, entry: Callable[[], object] | None = None
 
     Each child calls ``entry`` (Flower's ``flwr_clientapp`` after `preload`) with the launcher's argv."""
     entry = entry or preload()
+    _forget_own_packages()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel; their launchers report
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with contextlib.suppress(FileNotFoundError):
@@ -162,6 +164,14 @@ def serve(path: Path, parent_pid: int, entry: Callable[[], object] | None = None
         conn.close()
         for fd in fds:
             os.close(fd)
+
+
+def _forget_own_packages() -> None:
+    """Drop FedForge's packages (imported to start this server) from ``sys.modules``: each child then imports the
+    ClientApp from the run's FAB, which Flower puts first on ``sys.path``, as a fresh process would, and not from
+    the copy installed beside the SuperNode."""
+    for name in [m for m in sys.modules if m.split(".")[0] in OWN_PACKAGES]:
+        del sys.modules[name]
 
 
 def _receive(conn: socket.socket) -> tuple[dict[str, object], list[int]]:

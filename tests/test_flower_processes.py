@@ -33,7 +33,9 @@ SERVER = textwrap.dedent("""
 
     def entry():
         args = sys.argv[1:]
-        print(json.dumps({{"argv": sys.argv, "cwd": os.getcwd(), "marker": os.environ.get("MARKER"), "pid": os.getpid()}}), flush=True)
+        own = sorted(m for m in sys.modules if m.split(".")[0] in ("client", "common", "server"))
+        print(json.dumps({{"argv": sys.argv, "cwd": os.getcwd(), "marker": os.environ.get("MARKER"), "pid": os.getpid(), "own": own}}),
+              flush=True)
         if "--sleep" in args:
             time.sleep(60)
         if "--raise" in args:
@@ -82,6 +84,7 @@ def test_the_child_gets_the_launchers_arguments_environment_directory_streams_an
     assert seen["argv"] == ["flwr-clientapp", "--token", "abc", "--exit", "3"]
     assert seen["cwd"] == str(workdir) and seen["marker"] == "from-the-launcher"
     assert seen["pid"] not in (server.pid, os.getpid())  # a forked child, not the server itself
+    assert seen["own"] == []  # FedForge's code comes from the run's FAB, not from what started the server
     ok = _launch(launcher, env, "--token", "def", cwd=workdir)
     assert ok.returncode == 0 and json.loads(ok.stdout)["pid"] != seen["pid"]  # one fresh child per message
     failed = _launch(launcher, env, "--raise", cwd=workdir)
