@@ -11,8 +11,9 @@ threads, no sockets but its listener), and forks it once per message: the child 
 the ``flwr-clientapp`` launcher that Flower's SuperExec started. The launcher (stdlib only, started
 with ``python -IS``, a few tens of ms) forwards termination signals to the child and exits with the
 child's status, so Flower sees the same process contract as before. FedForge's own code is not
-preloaded: the child imports the ClientApp from the FAB Flower installs, exactly as a fresh process
-would, so an updated FAB takes effect on the next message.
+kept loaded (the server drops the two small modules it starts with): the child imports the ClientApp
+from the FAB Flower installs, exactly as a fresh process would, so an updated FAB takes effect on the
+next message.
 
 Why forking is safe here: the server is single-threaded and has created no gRPC channel, so the
 child inherits no lock held by another thread; keys and masks come from ``os.urandom``/``secrets``/
