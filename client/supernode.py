@@ -49,11 +49,10 @@ import types
 from collections.abc import Callable
 from pathlib import Path
 
-from common.flower_waits import shorten_object_pull_backoff
+from common.flower_waits import CHECKED_VERSION, shorten_object_pull_backoff
 
 log = logging.getLogger("fedforge.supernode")
 
-PATCHED_VERSION = "1.42.0"
 DEFAULT_POLL_SECONDS = 0.5
 DEFAULT_RECONNECT_SECONDS = 4.0
 FLOWER_IDLE_SLEEP = 3.0  # the hard-coded sleep after an empty pull
@@ -82,9 +81,9 @@ def shorten_idle_poll(seconds: float) -> bool:
     import flwr
     from flwr.supernode import start_client_internal as loop
 
-    if getattr(flwr, "__version__", "") != PATCHED_VERSION or getattr(loop, "time", None) is not time:
+    if getattr(flwr, "__version__", "") != CHECKED_VERSION or getattr(loop, "time", None) is not time:
         log.warning("Flower %s: the SuperNode's idle poll is left at Flower's default (the patch targets %s)",
-                    getattr(flwr, "__version__", "?"), PATCHED_VERSION)
+                    getattr(flwr, "__version__", "?"), CHECKED_VERSION)
         return False
     loop.time = _CappedSleep(max(0.05, seconds))  # type: ignore[assignment]
     return True
@@ -95,7 +94,7 @@ def shorten_reconnect_backoff(seconds: float) -> bool:
     import flwr
     from flwr.supercore.retry import http_retry
 
-    if getattr(flwr, "__version__", "") != PATCHED_VERSION or not isinstance(getattr(http_retry, "MAX_RETRY_DELAY", None), (int, float)):
+    if getattr(flwr, "__version__", "") != CHECKED_VERSION or not isinstance(getattr(http_retry, "MAX_RETRY_DELAY", None), (int, float)):
         log.warning("Flower %s: the SuperNode's reconnect back-off is left at Flower's default", getattr(flwr, "__version__", "?"))
         return False
     http_retry.MAX_RETRY_DELAY = max(0.5, seconds)  # type: ignore[attr-defined]  # read when each back-off starts
@@ -122,7 +121,7 @@ def flwr_clientapp_entry() -> Callable[[], object]:
     import flwr
     import flwr.supernode
 
-    if flwr.__version__ != PATCHED_VERSION:
+    if flwr.__version__ != CHECKED_VERSION:
         from flwr.supernode.cli import flwr_clientapp
 
         return flwr_clientapp

@@ -100,12 +100,7 @@ if pid is None:  # nothing was started
     direct()
 for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
     signal.signal(signum, lambda signum, frame: os.kill(pid, signum))
-while True:
-    try:
-        status = read_int(sock)
-        break
-    except InterruptedError:
-        continue
+status = read_int(sock)  # a forwarded signal interrupts the wait; Python resumes it (PEP 475)
 sys.exit(1 if status is None else status)
 """
 

@@ -20,7 +20,7 @@ import logging
 
 log = logging.getLogger("fedforge.flower")
 
-CHECKED_VERSION = "1.42.0"
+CHECKED_VERSION = "1.42.0"  # the Flower version every FedForge change to its waits was checked against
 INITIAL_BACKOFF_S = 0.05
 BACKOFF_CAP_S = 1.0
 
