@@ -103,13 +103,15 @@ class ServingModel:
 def load_verified(path: Any, manifest: dict[str, Any]) -> torch.nn.Module:
     """A whole model from a verified version: its architecture, its input contract, its (federated) weights.
 
-    A version that sits on a backbone other than the one pinned here is refused: its head was trained
-    on different features.
+    A version that sits on a backbone other than the one pinned here, or on features computed
+    differently (another centre, other taps), is refused: its head was trained on different features.
     """
     arch = manifest["architecture"]
     backbone = (manifest.get("model_input") or {}).get("backbone")
-    if backbone and (arch not in PRETRAINED_ARCHITECTURES or backbone.get("sha256") != PRETRAINED_ARCHITECTURES[arch].sha256):
-        raise VerificationError(f"version {manifest['id']} sits on backbone {backbone}, not the one pinned on this factory")
+    spec = PRETRAINED_ARCHITECTURES.get(arch)
+    if backbone and (spec is None or backbone.get("sha256") != spec.sha256 or backbone.get("features", spec.ident) != spec.ident):
+        raise VerificationError(f"version {manifest['id']} sits on backbone {backbone}, not the one pinned on this factory "
+                                f"({spec.ident if spec else 'none for ' + arch})")
     request = input_of(manifest)
     with np.load(path, allow_pickle=False) as npz:
         weights = {k: npz[k] for k in npz.files}

@@ -31,7 +31,8 @@ Third, every FedForge process that pulls Flower message objects starts its back-
 of 1 s (``common/flower_waits.py``). Fourth, a SuperNode that lost its SuperLink (a central restart)
 retries at most every ``FEDFORGE_SUPERNODE_RECONNECT_SECONDS`` (default 4 s, with Flower's jitter)
 instead of every 20 s, so factories are back within seconds of the central site; 1,000 disconnected
-factories then ask about 250 times a second between them.
+factories then ask about 250 times a second between them. Fifth, a ClientApp verifies the run's FAB
+once per FAB content instead of once per message (``client/fab_cache.py``).
 """
 
 from __future__ import annotations
@@ -106,10 +107,12 @@ DIRECT_LAUNCHER = """#!{python}
 # without flwr.supernode.cli's package __init__, which imports the whole SuperNode.
 import sys
 
+from client.fab_cache import verify_fabs_once
 from client.supernode import flwr_clientapp_entry
 from common.flower_waits import shorten_object_pull_backoff
 
 shorten_object_pull_backoff()
+verify_fabs_once()
 sys.argv[0] = "flwr-clientapp"
 sys.exit(flwr_clientapp_entry()())
 """

@@ -117,11 +117,13 @@ def preload() -> Callable[[], object]:
     """Import what a ClientApp process needs before FedForge's code; returns Flower's ``flwr_clientapp``."""
     import importlib
 
+    from client.fab_cache import verify_fabs_once
     from client.supernode import flwr_clientapp_entry
     from common.flower_waits import shorten_object_pull_backoff
 
     entry = flwr_clientapp_entry()
     shorten_object_pull_backoff()
+    verify_fabs_once()
     for name in PRELOAD:
         importlib.import_module(name)
     return entry

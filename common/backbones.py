@@ -11,7 +11,9 @@ input size (bilinear), then scaled as the TF-Lite models were trained: (255 * x 
 
 Features: every block's output is pooled (mean and max over space: stains are broad, pits and
 inclusions are a few pixels, so both matter) and concatenated, then standardised per image by a
-parameter-free layer norm. The head is linear over these features. Because the backbone is frozen,
+parameter-free layer norm, then centred on a public reference (`common.feature_reference`: the mean
+over scikit-image's photographs, which removes the component every image shares and is what makes
+DP-SGD on the head work). The head is linear over these features. Because the backbone is frozen,
 a factory computes each image's features once and caches them (`client.features`); a round then
 trains only the head, which costs milliseconds.
 """
@@ -40,9 +42,17 @@ class BackboneSpec:
     blocks: tuple[int, ...]  # indices of the MBConv blocks whose outputs are pooled; -1 is the head conv
 
     @property
-    def ident(self) -> str:
-        """Names the backbone *and* what is computed from it: the feature cache's key."""
+    def backbone_key(self) -> str:
+        """Names the network and where its features are tapped (not yet how they are centred)."""
         return f"{self.name}@{self.sha256[:16]}/{self.input_size}px/blocks{'-'.join(map(str, self.blocks))}"
+
+    @property
+    def ident(self) -> str:
+        """Names the backbone *and* what is computed from it, centre included: the feature cache's key and
+        what a version's manifest records (a head is only valid over the features it was trained on)."""
+        from common.feature_reference import shipped
+
+        return f"{self.backbone_key}/centre-{str(shipped(self.backbone_key)['sha256'])[:16]}"
 
 
 LITE0_SHA256 = "579344248a93e23026e6b78f1f6faf0bc1d282386f6c881cdbaacd49cabf77db"
@@ -103,7 +113,7 @@ def _fold_batchnorm(net: nn.Module) -> nn.Module:
 class FrozenBackbone(nn.Module):
     """The pinned, frozen EfficientNet-Lite0 as a feature extractor: images (B, 1|3, H, W) -> (B, feature_dim)."""
 
-    def __init__(self, spec: BackboneSpec) -> None:
+    def __init__(self, spec: BackboneSpec, centred: bool = True) -> None:
         super().__init__()
         self.spec = spec
         net = _fold_batchnorm(_load_lite0(spec))
@@ -115,6 +125,13 @@ class FrozenBackbone(nn.Module):
         self.taps = frozenset(spec.blocks)
         with torch.no_grad():
             self.feature_dim = int(self._pooled(torch.zeros(1, 3, spec.input_size, spec.input_size)).shape[1])
+        centre = torch.zeros(self.feature_dim)
+        if centred:
+            from common.feature_reference import decode, shipped
+
+            entry = shipped(spec.backbone_key)
+            centre = torch.from_numpy(decode(str(entry["float32_b64"]), str(entry["sha256"]), self.feature_dim, spec.backbone_key))
+        self.register_buffer("centre", centre)
         for p in self.parameters():
             p.requires_grad_(False)
         self.eval()
@@ -135,7 +152,8 @@ class FrozenBackbone(nn.Module):
             feats += [h.mean(dim=(2, 3)), h.amax(dim=(2, 3))]
         return torch.cat(feats, dim=1)
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
+    def raw_features(self, images: torch.Tensor) -> torch.Tensor:
+        """Layer-normed pooled features, before centring (what the public centre is computed from)."""
         x = images.float()
         if x.shape[1] == 1:
             x = x.expand(-1, 3, -1, -1)
@@ -145,6 +163,9 @@ class FrozenBackbone(nn.Module):
         x = (x * 255.0 - 127.0) / 128.0
         with torch.no_grad():
             return F.layer_norm(self._pooled(x), (self.feature_dim,))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.raw_features(images) - self.centre
 
 
 class PretrainedClassifier(nn.Module):

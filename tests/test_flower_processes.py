@@ -193,6 +193,51 @@ def test_a_supernode_that_lost_its_superlink_retries_at_most_every_few_seconds(m
     assert max(delays) <= 4.0 and delays[-1] > 0  # Flower's own cap is 20 s
 
 
+def test_a_fab_is_verified_once_per_content_and_a_tampered_one_never(monkeypatch, tmp_path):
+    import io
+    import shutil
+    import zipfile
+
+    import click
+    from flwr.cli.build import build_fab_from_disk
+    from flwr.cli.install import install_from_fab
+
+    from client.fab_cache import once
+    from server.launch import app_dir
+
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
+    calls = []
+
+    def flowers(*args):
+        calls.append(args)
+        return install_from_fab(*args)
+
+    install = once(flowers)
+    fab = build_fab_from_disk(app_dir())
+    first = install(fab, None, True)
+    assert first.is_dir() and (first / "pyproject.toml").is_file() and len(calls) == 1
+    assert install(fab, None, True) == first and len(calls) == 1  # same bytes: Flower's verification is not repeated
+    shutil.rmtree(first)
+    assert install(fab, None, True) == first and first.is_dir() and len(calls) == 2  # gone: installed again
+    with zipfile.ZipFile(io.BytesIO(fab)) as src, io.BytesIO() as out:  # one file changed, CONTENT list kept
+        with zipfile.ZipFile(out, "w") as dst:
+            for item in src.infolist():
+                data = src.read(item.filename)
+                dst.writestr(item, data + b"# tampered\n" if item.filename.endswith("client/app.py") else data)
+        tampered = out.getvalue()
+    for _ in range(2):  # refused every time: a failed verification is never recorded
+        with pytest.raises(click.ClickException, match="hashes"):
+            install(tampered, None, True)
+    assert len(calls) == 4
+    from flwr.supernode.runtime import run_clientapp
+
+    from client.fab_cache import verify_fabs_once
+
+    monkeypatch.setattr(run_clientapp, "install_from_fab", run_clientapp.install_from_fab)  # restored after the test
+    assert verify_fabs_once() and verify_fabs_once()  # what the warm server and the direct launcher call: wraps Flower's once
+    assert run_clientapp.install_from_fab.wrapped is install_from_fab
+
+
 def test_a_process_identity_survives_pid_reuse_and_names_only_this_host():
     from common.procs import process_gone, process_identity
 

@@ -55,6 +55,43 @@ def test_grey_images_feed_the_rgb_backbone_as_three_equal_channels():
         assert torch.allclose(model(grey), model(grey.expand(-1, 3, -1, -1)), atol=1e-5)
 
 
+def test_features_are_centred_on_a_public_pinned_reference_that_recomputes(monkeypatch):
+    from common import feature_reference, feature_reference_data
+    from common.feature_reference import ReferenceError, compute_all, reference_crops
+
+    spec = PRETRAINED_ARCHITECTURES[ARCH]
+    entry = feature_reference_data.CENTRES[spec.backbone_key]
+    assert spec.ident.endswith("/centre-" + str(entry["sha256"])[:16])  # the cache key and the manifests name the centre
+    recomputed = compute_all()[spec.backbone_key]  # from scikit-image's photographs, as the shipped module says
+    backbone = backbones.backbone_for(spec)
+    assert np.allclose(recomputed, backbone.centre.numpy(), atol=1e-3)
+    with torch.no_grad():  # the reference crops' features are centred at zero; their raw features are not
+        crops = torch.from_numpy(reference_crops())
+        assert float(backbone(crops).mean(0).norm()) < 1e-2 * float(backbone.raw_features(crops).mean(0).norm())
+    b64 = str(entry["float32_b64"])
+    tampered = {**feature_reference_data.CENTRES, spec.backbone_key: {**entry, "float32_b64": b64[:40] + ("A" if b64[40] != "A" else "B") + b64[41:]}}
+    monkeypatch.setattr(feature_reference_data, "CENTRES", tampered)
+    with pytest.raises(ReferenceError, match="does not match its pinned sha256"):
+        FrozenBackbone(spec)
+    monkeypatch.setattr(feature_reference_data, "CENTRES", {})
+    with pytest.raises(ReferenceError, match="python -m common.feature_reference --write"):
+        feature_reference.shipped(spec.backbone_key)
+
+
+def test_a_version_over_differently_computed_features_is_refused_on_the_line(tmp_path):
+    from client.inspection import VerificationError, load_verified
+
+    spec = PRETRAINED_ARCHITECTURES[ARCH]
+    weights = weights_of(build_model(ARCH, 6, seed=0))
+    np.savez(tmp_path / "w.npz", **weights)
+    model_input = {"classes": list(datasets.synth.CLASSES), "image_size": 64, "channels": 1}
+    manifest = {"id": "v1", "architecture": ARCH, "model_input": {**model_input, "backbone": {"sha256": spec.sha256, "features": spec.ident}}}
+    assert load_verified(tmp_path / "w.npz", manifest) is not None
+    uncentred = {**manifest, "model_input": {**model_input, "backbone": {"sha256": spec.sha256, "features": spec.backbone_key}}}
+    with pytest.raises(VerificationError, match="not the one pinned"):
+        load_verified(tmp_path / "w.npz", uncentred)
+
+
 def test_a_tampered_feature_cache_is_rebuilt(tmp_path):
     model = build_model(ARCH, 6, seed=0)
     data = datasets.test_dataset(datasets.SyntheticSpec(), 6)
