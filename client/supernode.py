@@ -136,13 +136,42 @@ def flwr_clientapp_entry() -> Callable[[], object]:
     return module.flwr_clientapp  # type: ignore[no-any-return]
 
 
+SUPEREXEC_LAUNCHER = """#!{python}
+# flower-superexec for a FedForge SuperNode (written by client/supernode.py): Flower's own entry point
+# ({entry}), run by the SuperNode's interpreter. Started through a wrapper such as a pyenv shim, the
+# SuperExec would get a PATH with the interpreter's bin directory in front, and would then start
+# Flower's flwr-clientapp instead of the launcher this SuperNode put first on PATH.
+import importlib
+import sys
+
+module, _, attr = {entry!r}.partition(":")
+sys.argv[0] = "flower-superexec"
+sys.exit(getattr(importlib.import_module(module), attr)())
+"""
+
+
+def _console_script(name: str) -> str | None:
+    """``module:function`` of an installed console script (Flower's own entry points), or None."""
+    from importlib.metadata import entry_points
+
+    found = entry_points(group="console_scripts", name=name)
+    return next(iter(found)).value if found else None
+
+
 def install_fast_clientapp(mode: str = "warm") -> Path:
     """Put a ``flwr-clientapp`` launcher first on PATH (children inherit it); returns it.
 
     ``direct``: Flower's function in a fresh process without the SuperNode import; ``warm``: forked from
-    a warm server (``client/warm_clientapp.py``) started here, the direct launcher as its fallback."""
+    a warm server (``client/warm_clientapp.py``) started here, the direct launcher as its fallback.
+    Flower's ``flower-superexec``, which starts ``flwr-clientapp`` by name, is put beside it, run by
+    this interpreter, so that the PATH the launcher is found on reaches the SuperExec unchanged."""
     directory = Path(tempfile.mkdtemp(prefix="fedforge-clientapp-"))
     atexit.register(shutil.rmtree, directory, True)
+    entry = _console_script("flower-superexec")
+    if entry is not None:
+        superexec = directory / "flower-superexec"
+        superexec.write_text(SUPEREXEC_LAUNCHER.format(python=sys.executable, entry=entry))
+        superexec.chmod(0o755)
     direct = directory / ("flwr-clientapp" if mode == "direct" else "flwr-clientapp-direct")
     direct.write_text(DIRECT_LAUNCHER.format(python=sys.executable))
     direct.chmod(0o755)

@@ -156,9 +156,11 @@ def serve(path: Path, parent_pid: int, entry: Callable[[], object] | None = None
             continue
         sys.stdout.flush()
         sys.stderr.flush()
-        if os.fork() == 0:
+        child = os.fork()
+        if child == 0:
             listener.close()
             _run_child(conn, request, fds, entry)
+        log.info("ClientApp forked (pid %d)", child)
         conn.close()
         for fd in fds:
             os.close(fd)

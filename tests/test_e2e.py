@@ -53,6 +53,9 @@ def test_demo_runs_a_federation_and_cleans_up(default_demo):
     for v in versions:
         assert hashlib.sha256(registry.artifacts.path_for(v.sha256).read_bytes()).hexdigest() == v.sha256
     assert "final accuracy" in proc.stderr
+    for i in range(3):  # every message's ClientApp came from the factory's warm server, whatever wraps flower-superexec
+        forks = (tmp_path / "secure" / f"factory-{i}" / "logs" / "supernode.log").read_text().count("ClientApp forked")
+        assert forks >= 5, forks  # round 1: keys, shares, train, unmask; round 2: train, unmask; final evaluation
 
 
 def test_killed_agent_is_left_out_and_the_next_round_proceeds(tmp_path, no_leftover_processes):

@@ -193,6 +193,29 @@ def test_a_supernode_that_lost_its_superlink_retries_at_most_every_few_seconds(m
     assert max(delays) <= 4.0 and delays[-1] > 0  # Flower's own cap is 20 s
 
 
+def test_the_supernode_starts_flowers_superexec_itself_so_no_shim_reorders_its_path(tmp_path):
+    """A pyenv-style shim for flower-superexec puts its interpreter's bin directory first on PATH, in front of
+    the SuperNode's flwr-clientapp launcher; the SuperNode therefore finds its own flower-superexec first."""
+    shims = tmp_path / "shims"
+    shims.mkdir()
+    (shims / "flower-superexec").write_text("#!/bin/sh\necho shim\n")
+    (shims / "flower-superexec").chmod(0o755)
+    script = textwrap.dedent("""
+        import os, shutil, subprocess, sys
+        from client.supernode import install_fast_clientapp
+        launcher = install_fast_clientapp("direct")
+        superexec = shutil.which("flower-superexec")
+        assert os.path.dirname(superexec) == os.path.dirname(launcher), (superexec, launcher)
+        assert open(superexec).readline().strip() == "#!" + sys.executable
+        out = subprocess.run([superexec, "--help"], capture_output=True, text=True, timeout=60)
+        print(out.returncode, "runtime-api-address" in out.stdout)
+    """)
+    env = {**os.environ, "PATH": f"{shims}{os.pathsep}{os.environ['PATH']}"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["0", "True"], out.stdout  # Flower's own SuperExec entry point, not the shim
+
+
 def test_a_fab_is_verified_once_per_content_and_a_tampered_one_never(monkeypatch, tmp_path):
     import io
     import shutil
