@@ -25,7 +25,10 @@ same function (``flwr/supernode/cli/flwr_clientapp.py``'s ``flwr_clientapp``, sa
 code) within milliseconds; without that server it starts a fresh process running that function loaded
 from its file without the package ``__init__`` (the *direct* launcher). For any other Flower version
 it imports Flower's entry point as usual. ``FEDFORGE_FAST_CLIENTAPP`` chooses: ``warm`` (default),
-``direct``, or ``0`` (Flower's own ``flwr-clientapp``).
+``direct``, or ``0`` (Flower's own ``flwr-clientapp``). Flower's own ``flower-superexec`` goes into the
+same directory, run by this interpreter: started through a wrapper that edits PATH (a pyenv shim puts
+its interpreter's bin directory first), the SuperExec would otherwise find Flower's ``flwr-clientapp``
+before the launcher.
 
 Third, every FedForge process that pulls Flower message objects starts its back-off at 50 ms instead
 of 1 s (``common/flower_waits.py``). Fourth, a SuperNode that lost its SuperLink (a central restart)
