@@ -11,7 +11,7 @@ threads, no sockets but its listener), and forks it once per message: the child 
 the ``flwr-clientapp`` launcher that Flower's SuperExec started. The launcher (stdlib only, started
 with ``python -IS``, a few tens of ms) forwards termination signals to the child and exits with the
 child's status, so Flower sees the same process contract as before. FedForge's own code is not
-kept loaded (the server drops the two small modules it starts with): the child imports the ClientApp
+kept loaded (the server drops the few small modules it starts with): the child imports the ClientApp
 from the FAB Flower installs, exactly as a fresh process would, so an updated FAB takes effect on the
 next message.
 
