@@ -39,7 +39,7 @@ from common.data import datasets
 from common.data.datasets import ImageSet
 from common.data.folder import DatasetError
 from common.distill import ProxySet, balanced_predictions, predict_proxy
-from common.features import FeatureCache, array_keys, features_of
+from common.features import FeatureCache, array_keys, cache_path, features_of
 from common.models import build_model, federated_part, is_pretrained, load_weights
 from common.tensors import UpdateError, check_like
 from common.training import EvalResult, TrainConfig, TrainResult, evaluate, set_torch_threads, train
@@ -104,7 +104,7 @@ class FactoryTrainer:
         source = open_source(cfg.data, cfg.classes, cfg.class_alias, spec, cfg.factory_index)
         self.data = FactoryData(source, cfg.val_fraction, cfg.data_seed, cfg.memory_limit)
         state = Path(cfg.state_dir)
-        self.features = FeatureCache(state / "features.db")
+        self.features = FeatureCache(cache_path(state / "features.db"))
         self._feature_sets: dict[tuple[str, DataRequest], tuple[ImageSet, ImageSet]] = {}
         self._models: dict[tuple[str, int, int], nn.Module] = {}
         self.budget = cfg.privacy_budget()

@@ -11,6 +11,14 @@ the same. `FeatureCache` keeps them in SQLite, one row per (backbone, image cont
 - vectors are float16 on disk (half the space; the features are layer-normed, so the rounding is
   far below what training notices) and float32 in memory.
 
+A process keeps its cache in its own state (a factory's state directory, the central site's registry
+directory) unless ``FEDFORGE_FEATURE_CACHE`` names one file for it (`cache_path`): an operator who runs
+several FedForge processes on one host over the same images (the demo, a test suite, a restarted edge
+node with its state on a small disk) can point them at one cache, so each image is run through the
+backbone once on that host. Rows are keyed by content, so sharing never mixes up two images; it does
+put every process's features in one file, so only point processes at one cache that may read each
+other's images.
+
 `features_of` returns a `FeatureSet`, an `ImageSet` whose "images" are feature vectors: the ordinary
 training and evaluation loops then train and evaluate the head alone.
 """
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import sqlite3
 import threading
 from collections.abc import Callable, Sequence
@@ -33,6 +42,13 @@ from common.data.datasets import ImageSet
 log = logging.getLogger(__name__)
 
 BATCH = 32
+CACHE_ENV = "FEDFORGE_FEATURE_CACHE"
+SHARED_WAIT_S = 60.0  # how long a writer waits for another process holding the shared cache's write lock
+
+
+def cache_path(default: str | Path) -> Path:
+    """The feature cache a process uses: ``FEDFORGE_FEATURE_CACHE`` when set, else ``default`` (its own state)."""
+    return Path(os.environ.get(CACHE_ENV) or default)
 
 
 @dataclass(frozen=True)
@@ -77,7 +93,7 @@ class FeatureCache:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=SHARED_WAIT_S)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("CREATE TABLE IF NOT EXISTS features (backbone TEXT NOT NULL, image TEXT NOT NULL, dim INTEGER NOT NULL,"
                          " vector BLOB NOT NULL, checksum TEXT NOT NULL, PRIMARY KEY (backbone, image))")

@@ -20,7 +20,7 @@ from common.data import datasets
 from common.data.datasets import ImageDataset, ImageSet
 from common.data.folder import load_image_folder
 from common.data.images import grey_to_channels
-from common.features import FeatureCache, array_keys, features_of
+from common.features import FeatureCache, array_keys, cache_path, features_of
 from common.models import federated_part, is_pretrained
 from common.training import EvalResult, evaluate
 from server.config import FederationConfig
@@ -36,7 +36,7 @@ def generated(data: ImageDataset, cfg: FederationConfig) -> ImageDataset:
 class CentralData:
     def __init__(self, cfg: FederationConfig, directory: Path) -> None:
         self.cfg = cfg
-        self.features = FeatureCache(directory / "features.db")
+        self.features = FeatureCache(cache_path(directory / "features.db"))
         self.test: ImageSet | None = None
         self._inputs: dict[tuple[str, int], ImageSet] = {}  # (architecture, id of the set) -> what its model consumes
         self._lock = threading.Lock()

@@ -52,6 +52,17 @@ def no_leftover_processes():
         pytest.fail(f"processes left running: {described}")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_feature_cache(tmp_path_factory):
+    """Every FedForge process the suite starts shares one backbone feature cache (``FEDFORGE_FEATURE_CACHE``): many tests
+    federate the same generated images, and each image then goes through the backbone once per suite, not once per
+    test and process. Tests of the cache itself open their own."""
+    path = tmp_path_factory.mktemp("feature-cache") / "features.db"
+    os.environ["FEDFORGE_FEATURE_CACHE"] = str(path)
+    yield path
+    os.environ.pop("FEDFORGE_FEATURE_CACHE", None)
+
+
 @pytest.fixture(autouse=True)
 def _quiet_flower(monkeypatch):
     monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")

@@ -261,9 +261,10 @@ def test_secure_distillation_only_rounds_send_predictions_and_no_weights(tmp_pat
         assert f"{arch}/distill-kept" in round1.metrics  # distilled (kept or not) into every group
 
 
-def test_distillation_into_the_pretrained_head_over_cached_proxy_features(tmp_path):
+def test_distillation_into_the_pretrained_head_over_cached_proxy_features(tmp_path, monkeypatch):
     """Two real agents on the frozen backbone: they predict on the proxy set through their cached features, and the server
     distils the ensemble into the head over the proxy set's features (it never runs the backbone per epoch)."""
+    monkeypatch.delenv("FEDFORGE_FEATURE_CACHE")  # each process's own cache: the server must compute the proxy features itself
     started = [serve(AgentConfig(factory_id=f"factory-{i}", listen=f"127.0.0.1:{free_port()}", factory_index=i, num_factories=2, train_size=48,
                                  architecture="effnet-lite0", state_dir=str(tmp_path / f"factory-{i}"))) for i in range(2)]
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sqlite3
 from collections import OrderedDict
@@ -108,6 +109,38 @@ def test_a_tampered_feature_cache_is_rebuilt(tmp_path):
     assert cache.rebuilt == 1 and np.allclose(rebuilt.images, first.images, atol=2e-2)  # recomputed (one image batch: float rounding)
     other = features_of(data, "another-backbone@0/64px/blocks1", model.encode, cache, array_keys(data.images))  # keyed by backbone too
     assert np.array_equal(other.images, first.images) and cache.misses == 6 + 1 + 6
+
+
+SHARED_WRITER = """
+import sys
+import numpy as np
+from common.features import FeatureCache, cache_path, features_of
+from common.data.datasets import ImageDataset
+rng = np.random.default_rng(int(sys.argv[1]))
+images = rng.random((400, 1, 2, 2), dtype=np.float32)
+cache = FeatureCache(cache_path("unused.db"))
+for start in range(0, 400, 8):  # many small transactions, interleaved with the other writer's
+    part = ImageDataset(images[start:start + 8], np.zeros(8, dtype=np.int64), ("a",))
+    features_of(part, "toy", lambda x: x.flatten(1) * 2, cache)
+print(cache.misses)
+"""
+
+
+def test_processes_share_one_feature_cache_when_told(tmp_path):
+    """FEDFORGE_FEATURE_CACHE: two processes writing one cache at the same time both finish, and every row verifies."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FEDFORGE_FEATURE_CACHE": str(tmp_path / "shared.db")}
+    procs = [subprocess.Popen([sys.executable, "-c", SHARED_WRITER, str(seed)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=Path(__file__).resolve().parents[1]) for seed in (1, 2)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outputs]
+    assert [int(out.split()[-1]) for out, _ in outputs] == [400, 400]
+    cache = FeatureCache(tmp_path / "shared.db")
+    with sqlite3.connect(tmp_path / "shared.db") as db:
+        keys = [k for (k,) in db.execute("SELECT image FROM features WHERE backbone='toy'")]
+    assert len(keys) == 800 and len(cache.lookup("toy", keys)) == 800 and cache.rebuilt == 0
 
 
 def test_head_only_versions_sign_and_export_to_the_same_predictions(tmp_path):
