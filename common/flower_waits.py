@@ -12,11 +12,20 @@ these back-offs added 1-3.5 s to single factories' message phases, at random.
 `shorten_object_pull_backoff` starts that back-off at 50 ms and caps it at 1 s in the process that
 calls it (the SuperNode, the ClientApp processes and the ServerApp call it); the retry limit and the
 overall deadline stay Flower's. It applies only to the Flower version it was checked against.
+
+Flower's overall deadline for one message's objects is 2 hours (``PULL_MAX_TIME``). A ServerApp that
+pulls replies meets a message whose objects will never come when a factory dies in the middle of
+uploading its reply: the SuperLink already lists that reply, and the pull of every reply in the same
+call waits for it. `object_pull_deadline` bounds that wait inside a block (the ServerApp bounds it
+by the round's own deadline), so the dead factory's reply becomes an error reply and the others are
+collected.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 log = logging.getLogger("fedforge.flower")
 
@@ -39,3 +48,30 @@ def shorten_object_pull_backoff(initial: float = INITIAL_BACKOFF_S, cap: float =
         fn.__kwdefaults__ = {**fn.__kwdefaults__, "initial_backoff": initial, "backoff_cap": cap}
     return True
 
+
+
+def _pull_functions() -> tuple:
+    from flwr.supercore.inflatable import inflatable_utils
+
+    return inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree
+
+
+@contextlib.contextmanager
+def object_pull_deadline(seconds: float) -> Iterator[bool]:
+    """Within the block, this thread's Flower object pulls give up after ``seconds`` per message (Flower: 2 h);
+    yields whether the bound applied. The bound is a function default, so a caller pulling from other threads at the same
+    time shares it: the ServerApp pulls from one thread."""
+    import flwr
+
+    functions = _pull_functions()
+    if getattr(flwr, "__version__", "") != CHECKED_VERSION or not all("max_time" in (fn.__kwdefaults__ or {}) for fn in functions):
+        yield False
+        return
+    saved = [fn.__kwdefaults__["max_time"] for fn in functions]
+    for fn in functions:
+        fn.__kwdefaults__ = {**fn.__kwdefaults__, "max_time": max(0.1, seconds)}
+    try:
+        yield True
+    finally:
+        for fn, value in zip(functions, saved):
+            fn.__kwdefaults__ = {**fn.__kwdefaults__, "max_time": value}

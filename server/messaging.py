@@ -12,7 +12,10 @@ from collections.abc import Callable, Iterable
 from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
+from common.flower_waits import object_pull_deadline
+
 POLL_SECONDS = 0.05
+FINAL_PULL_SECONDS = 5.0  # the last look for replies once a phase's deadline has passed
 
 
 def push_and_collect(grid: Grid, messages: Iterable[Message], timeout: float) -> tuple[dict[int, Message], list[int]]:
@@ -22,15 +25,22 @@ def push_and_collect(grid: Grid, messages: Iterable[Message], timeout: float) ->
     node_of = {mid: m.metadata.dst_node_id for mid, m in zip(ids, messages)}
     pending = set(ids)
     replies: dict[int, Message] = {}
+
+    def pull(bound: float) -> None:
+        with object_pull_deadline(bound):  # a reply whose sender died mid-upload must not hold the others back
+            for reply in grid.pull_messages(list(pending)):
+                mid = reply.metadata.reply_to_message_id
+                if mid in pending:
+                    pending.discard(mid)
+                    replies[node_of[mid]] = reply
+
     deadline = time.monotonic() + timeout
-    while pending and time.monotonic() < deadline:
-        for reply in grid.pull_messages(list(pending)):
-            mid = reply.metadata.reply_to_message_id
-            if mid in pending:
-                pending.discard(mid)
-                replies[node_of[mid]] = reply
+    while pending and (remaining := deadline - time.monotonic()) > 0:
+        pull(remaining)
         if pending:
             time.sleep(POLL_SECONDS)
+    if pending:  # replies that arrived while a broken one was being waited for are not late
+        pull(min(FINAL_PULL_SECONDS, timeout))
     return replies, sorted(node_of[mid] for mid in pending)
 
 

@@ -336,3 +336,53 @@ def test_sparse_graph_dropouts_at_each_stage_complete_or_abort_cleanly(tmp_path,
     assert round_.status == "completed", round_.metrics
     assert set(round_.participants) == counted and dropping <= set(round_.failures)
     assert round_.metrics["total-examples"] == sum(examples[name] for name in counted)  # every mask removed, nobody else's input
+
+
+def test_a_reply_whose_sender_died_mid_upload_does_not_hold_back_the_others():
+    """A factory killed while uploading its reply leaves a reply the SuperLink lists but whose objects never come.
+
+    Flower's own object pull (`pull_objects`, with its 2 h default deadline) waits on it; the phase must still collect
+    the replies that arrived meanwhile, and report the broken one as that factory's error, within its own deadline.
+    """
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from flwr.supercore.inflatable.inflatable_utils import ObjectPullError, ObjectUnavailableError, pull_objects
+
+    from server.messaging import push_and_collect
+
+    class HalfUploadedGrid:
+        """Node 3's reply is listed first and its object never arrives; nodes 1 and 2 answer a moment later."""
+
+        def __init__(self) -> None:
+            self.pushed_at = 0.0
+
+        def push_messages(self, messages):
+            self.pushed_at = time.monotonic()
+            return [f"m{m.metadata.dst_node_id}" for m in messages]
+
+        def pull_messages(self, ids):
+            out = []
+            for mid in ids:
+                if mid == "m3":
+                    def never(object_id: str):
+                        raise ObjectUnavailableError(object_id)
+                    try:
+                        pull_objects(["object-of-m3"], pull_object_fn=never)  # Flower's pull, Flower's defaults
+                    except ObjectPullError as exc:
+                        out.append(SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=mid), error=str(exc)))
+                elif time.monotonic() - self.pushed_at > 0.3:
+                    out.append(SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=mid), error=None))
+            return out
+
+    messages = [Message(RecordDict(), dst_node_id=n, message_type="train") for n in (1, 2, 3)]
+    result: dict[str, object] = {}
+    worker = threading.Thread(target=lambda: result.update(out=push_and_collect(HalfUploadedGrid(), messages, timeout=3.0)), daemon=True)
+    worker.start()
+    worker.join(120)  # liveness: without a bound, Flower would wait on the dead upload for 2 hours
+    assert not worker.is_alive(), "the phase waited on a reply whose sender died mid-upload"
+    replies, timed_out = result["out"]
+    assert sorted(replies) == [1, 2, 3] and timed_out == []
+    assert replies[1].error is None and replies[2].error is None
+    assert "object-of-m3" in replies[3].error  # the dead factory's reply is an error reply, dropped by name as usual
