@@ -30,6 +30,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,11 +95,24 @@ class FeatureCache:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=SHARED_WAIT_S)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("CREATE TABLE IF NOT EXISTS features (backbone TEXT NOT NULL, image TEXT NOT NULL, dim INTEGER NOT NULL,"
-                         " vector BLOB NOT NULL, checksum TEXT NOT NULL, PRIMARY KEY (backbone, image))")
+        self._prepare()
         self._lock = threading.Lock()
         self.hits = self.misses = self.rebuilt = 0
+
+    def _prepare(self) -> None:
+        """WAL mode and the table. Another process creating the same file at the same moment can make SQLite answer
+        "locked" at once, without waiting (it does so where waiting could deadlock), so this retries for a while."""
+        deadline = time.monotonic() + SHARED_WAIT_S
+        while True:
+            try:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("CREATE TABLE IF NOT EXISTS features (backbone TEXT NOT NULL, image TEXT NOT NULL, dim INTEGER NOT NULL,"
+                                 " vector BLOB NOT NULL, checksum TEXT NOT NULL, PRIMARY KEY (backbone, image))")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     @staticmethod
     def _checksum(backbone: str, image: str, blob: bytes) -> str:
