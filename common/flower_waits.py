@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 log = logging.getLogger("fedforge.flower")
 
@@ -37,9 +37,8 @@ BACKOFF_CAP_S = 1.0
 def shorten_object_pull_backoff(initial: float = INITIAL_BACKOFF_S, cap: float = BACKOFF_CAP_S) -> bool:
     """Lower the default back-off of Flower's object pulls in this process; returns whether it applied."""
     import flwr
-    from flwr.supercore.inflatable import inflatable_utils
 
-    functions = (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree)
+    functions = _pull_functions()
     if getattr(flwr, "__version__", "") != CHECKED_VERSION or not all(
             {"initial_backoff", "backoff_cap"} <= set(fn.__kwdefaults__ or {}) for fn in functions):
         log.warning("Flower %s: object pulls keep Flower's back-off (the change targets %s)", getattr(flwr, "__version__", "?"), CHECKED_VERSION)
@@ -49,8 +48,8 @@ def shorten_object_pull_backoff(initial: float = INITIAL_BACKOFF_S, cap: float =
     return True
 
 
-
-def _pull_functions() -> tuple:
+def _pull_functions() -> tuple[Callable[..., object], ...]:
+    """Flower's two object-pull functions whose defaults FedForge adjusts."""
     from flwr.supercore.inflatable import inflatable_utils
 
     return inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree
@@ -58,9 +57,9 @@ def _pull_functions() -> tuple:
 
 @contextlib.contextmanager
 def object_pull_deadline(seconds: float) -> Iterator[bool]:
-    """Within the block, this thread's Flower object pulls give up after ``seconds`` per message (Flower: 2 h);
-    yields whether the bound applied. The bound is a function default, so a caller pulling from other threads at the same
-    time shares it: the ServerApp pulls from one thread."""
+    """Within the block, Flower's object pulls in this process give up after ``seconds`` per message (Flower: 2 h);
+    yields whether the bound applied. The bound is a function default, so pulls from other threads during the block
+    get it too: the ServerApp pulls from one thread."""
     import flwr
 
     functions = _pull_functions()
