@@ -161,6 +161,12 @@ def _console_script(name: str) -> str | None:
     return next(iter(found)).value if found else None
 
 
+def _write_script(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
 def install_fast_clientapp(mode: str = "warm") -> Path:
     """Put a ``flwr-clientapp`` launcher first on PATH (children inherit it); returns it.
 
@@ -172,12 +178,9 @@ def install_fast_clientapp(mode: str = "warm") -> Path:
     atexit.register(shutil.rmtree, directory, True)
     entry = _console_script("flower-superexec")
     if entry is not None:
-        superexec = directory / "flower-superexec"
-        superexec.write_text(SUPEREXEC_LAUNCHER.format(python=sys.executable, entry=entry))
-        superexec.chmod(0o755)
-    direct = directory / ("flwr-clientapp" if mode == "direct" else "flwr-clientapp-direct")
-    direct.write_text(DIRECT_LAUNCHER.format(python=sys.executable))
-    direct.chmod(0o755)
+        _write_script(directory / "flower-superexec", SUPEREXEC_LAUNCHER.format(python=sys.executable, entry=entry))
+    direct = _write_script(directory / ("flwr-clientapp" if mode == "direct" else "flwr-clientapp-direct"),
+                           DIRECT_LAUNCHER.format(python=sys.executable))
     launcher = direct
     if mode == "warm":
         from client import warm_clientapp

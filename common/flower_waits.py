@@ -39,8 +39,7 @@ def shorten_object_pull_backoff(initial: float = INITIAL_BACKOFF_S, cap: float =
     import flwr
 
     functions = _pull_functions()
-    if getattr(flwr, "__version__", "") != CHECKED_VERSION or not all(
-            {"initial_backoff", "backoff_cap"} <= set(fn.__kwdefaults__ or {}) for fn in functions):
+    if not _defaults_settable(functions, "initial_backoff", "backoff_cap"):
         log.warning("Flower %s: object pulls keep Flower's back-off (the change targets %s)", getattr(flwr, "__version__", "?"), CHECKED_VERSION)
         return False
     for fn in functions:
@@ -55,15 +54,20 @@ def _pull_functions() -> tuple[Callable[..., object], ...]:
     return inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree
 
 
+def _defaults_settable(functions: tuple[Callable[..., object], ...], *names: str) -> bool:
+    """Whether this is the Flower version FedForge checked and each function still takes ``names`` as keyword defaults."""
+    import flwr
+
+    return getattr(flwr, "__version__", "") == CHECKED_VERSION and all(set(names) <= set(fn.__kwdefaults__ or {}) for fn in functions)
+
+
 @contextlib.contextmanager
 def object_pull_deadline(seconds: float) -> Iterator[bool]:
     """Within the block, Flower's object pulls in this process give up after ``seconds`` per message (Flower: 2 h);
     yields whether the bound applied. The bound is a function default, so pulls from other threads during the block
     get it too: the ServerApp pulls from one thread."""
-    import flwr
-
     functions = _pull_functions()
-    if getattr(flwr, "__version__", "") != CHECKED_VERSION or not all("max_time" in (fn.__kwdefaults__ or {}) for fn in functions):
+    if not _defaults_settable(functions, "max_time"):
         yield False
         return
     saved = [fn.__kwdefaults__["max_time"] for fn in functions]
