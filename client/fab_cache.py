@@ -24,7 +24,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from common.flower_waits import CHECKED_VERSION
+from common.flower_waits import CHECKED_VERSION, checked_flower
 
 log = logging.getLogger("fedforge.fab")
 
@@ -67,7 +67,7 @@ def verify_fabs_once() -> bool:
     from flwr.supernode.runtime import run_clientapp
 
     current = getattr(run_clientapp, "install_from_fab", None)
-    if flwr.__version__ != CHECKED_VERSION or current is None:
+    if not checked_flower() or current is None:
         log.warning("Flower %s: every message re-verifies its FAB (the change targets %s)", flwr.__version__, CHECKED_VERSION)
         return False
     if not hasattr(current, "wrapped"):

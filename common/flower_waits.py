@@ -34,6 +34,13 @@ INITIAL_BACKOFF_S = 0.05
 BACKOFF_CAP_S = 1.0
 
 
+def checked_flower() -> bool:
+    """Whether the installed Flower is the version FedForge's adjustments to its internals were checked against."""
+    import flwr
+
+    return getattr(flwr, "__version__", "") == CHECKED_VERSION
+
+
 def shorten_object_pull_backoff(initial: float = INITIAL_BACKOFF_S, cap: float = BACKOFF_CAP_S) -> bool:
     """Lower the default back-off of Flower's object pulls in this process; returns whether it applied."""
     import flwr
@@ -56,9 +63,7 @@ def _pull_functions() -> tuple[Callable[..., object], ...]:
 
 def _defaults_settable(functions: tuple[Callable[..., object], ...], *names: str) -> bool:
     """Whether this is the Flower version FedForge checked and each function still takes ``names`` as keyword defaults."""
-    import flwr
-
-    return getattr(flwr, "__version__", "") == CHECKED_VERSION and all(set(names) <= set(fn.__kwdefaults__ or {}) for fn in functions)
+    return checked_flower() and all(set(names) <= set(fn.__kwdefaults__ or {}) for fn in functions)
 
 
 @contextlib.contextmanager

@@ -193,6 +193,31 @@ def test_a_supernode_that_lost_its_superlink_retries_at_most_every_few_seconds(m
     assert max(delays) <= 4.0 and delays[-1] > 0  # Flower's own cap is 20 s
 
 
+def test_a_supernode_declares_and_keeps_a_short_heartbeat_that_its_superlink_accepts(monkeypatch):
+    """The SuperLink refuses to take a restarted node back until two declared intervals pass without a heartbeat."""
+    from flwr.common.constant import HEARTBEAT_MIN_INTERVAL
+    from flwr.supercore import heartbeat
+    from flwr.superlink.servicer.fleet import fleet_handlers
+    from flwr.supernode import fleet_http_connection as connection
+
+    from client.supernode import DEFAULT_HEARTBEAT_SECONDS, shorten_heartbeat_interval
+
+    for module in (heartbeat, connection):  # Flower's 30 s again after the test
+        monkeypatch.setattr(module, "HEARTBEAT_DEFAULT_INTERVAL", module.HEARTBEAT_DEFAULT_INTERVAL)
+    assert shorten_heartbeat_interval(DEFAULT_HEARTBEAT_SECONDS)
+    assert heartbeat.HEARTBEAT_DEFAULT_INTERVAL == connection.HEARTBEAT_DEFAULT_INTERVAL == 10.0
+    fleet_handlers._validate_heartbeat_interval(connection.HEARTBEAT_DEFAULT_INTERVAL)  # what the SuperLink checks on activation
+
+    sent: list[float] = []
+    sender = heartbeat.HeartbeatSender(lambda: sent.append(time.monotonic()) or True)
+    waits: list[float] = []
+    monkeypatch.setattr(sender._stop_event, "wait", lambda seconds: waits.append(seconds) or len(waits) >= 3 and sender._stop_event.set())
+    sender._run()  # Flower's own loop: heartbeat, then wait (interval - call timeout) x 0.7-0.9
+    assert len(sent) == 3 and all(3.5 <= w <= 4.5 for w in waits), waits  # Flower: 17.5-22.5 s, so a lapse took 60 s
+
+    assert shorten_heartbeat_interval(1.0) and connection.HEARTBEAT_DEFAULT_INTERVAL == HEARTBEAT_MIN_INTERVAL  # never one it refuses
+
+
 def test_the_supernode_starts_flowers_superexec_itself_so_no_shim_reorders_its_path(tmp_path):
     """A pyenv-style shim for flower-superexec puts its interpreter's bin directory first on PATH, in front of
     the SuperNode's flwr-clientapp launcher; the SuperNode therefore finds its own flower-superexec first."""
