@@ -10,14 +10,25 @@ bench/secagg.py cover it). For every setting the baselines run on the *same* dat
 - pooled: one model trained on the union of the factories' training splits (what the federation
   would reach if the images could leave the factories), for as many epochs as a factory trains in all;
 - local only: each factory trains alone for as many epochs, from the same initial model;
-- served: what a factory's inspection would serve after the run (the global model, or its personal
-  fine-tune when that scores better on its held-out split), judged on a separate test set drawn from
-  that factory's own distribution (its optics, its label mix).
+- served: what a factory's inspection would serve after the run (its personal model, unless the global
+  model validates clearly better on its held-out split: `client.personal`), judged on a separate test
+  set drawn from that factory's own distribution (its optics, its label mix).
 
 Accuracy of the global and pooled models is on a balanced test set drawn from every factory's optics.
 
     python bench/quality.py --seeds 0,1,2                       # the table in docs/benchmarks.md
     python bench/quality.py --settings skewed --recipes default --seeds 0
+
+Your own image folders instead of the built-in generator (seeds then vary the models and the training
+order, not the data):
+
+    python bench/quality.py --folders ROOT --recipes default --dp
+
+    ROOT/<factory>/train/<class>/*.png   one directory per factory (any name; sorted), its training images
+    ROOT/<factory>/test/<class>/*.png    images of that factory's own distribution, never trained on
+    ROOT/test/<class>/*.png              optional: the central test set (default: every factory's test images)
+
+Class names are the folders' (any factory may lack any class); `--classes a,b,c` fixes their order.
 """
 
 from __future__ import annotations
@@ -38,9 +49,12 @@ import numpy as np
 
 from client.config import AgentConfig
 from client.data import DataRequest
-from client.trainer import FactoryTrainer
+from client.personal import global_clearly_better
+from client.trainer import FactoryTrainer, data_request_from
 from common.data import datasets, synth
+from common.data.classes import format_classes, parse_classes
 from common.data.datasets import ImageDataset
+from common.data.folder import load_image_folder
 from common.features import FeatureCache, array_keys, features_of
 from common.models import build_model, federated_part, is_pretrained, load_weights, weights_of
 from common.training import TrainConfig, evaluate, set_torch_threads, train
@@ -87,6 +101,31 @@ SETTINGS = {"iid-ish": (3, 1.0), "skewed": (5, 0.1)}
 DP_RECIPE_OF = {"default": "default-dp"}  # what `--dp` runs for a recipe (the recipe itself when absent)
 
 
+@dataclass(frozen=True)
+class Folders:
+    """A federation made of image folders (``--folders``): each factory's training and test folder, the central test folder."""
+
+    factories: tuple[Path, ...]
+    central_test: Path | None
+    classes: tuple[str, ...]
+
+    @classmethod
+    def at(cls, root: str | Path, classes: str = "") -> Folders:
+        root = Path(root)
+        factories = tuple(d for d in sorted(root.iterdir()) if d.is_dir() and d.name != "test")
+        missing = [str(d / part) for d in factories for part in ("train", "test") if not (d / part).is_dir()]
+        if len(factories) < 2 or missing:
+            raise SystemExit(f"--folders {root}: expected two or more <factory>/train and <factory>/test folders"
+                             + (f"; missing {missing}" if missing else f", found {[d.name for d in factories]}"))
+        found = sorted({c.name for d in factories for part in ("train", "test") for c in (d / part).iterdir() if c.is_dir()})
+        central = root / "test" if (root / "test").is_dir() else None
+        return cls(factories, central, parse_classes(classes) if classes else tuple(found))
+
+    def test_set(self, folder: Path, size: int) -> ImageDataset:
+        data, _report = load_image_folder(folder, size, self.classes)
+        return ImageDataset(data.images_at(np.arange(len(data))), np.asarray(data.labels), self.classes)
+
+
 def factory_test_set(spec: datasets.SyntheticSpec, index: int, size: int) -> ImageDataset:
     """Fresh images of factory ``index``'s own distribution (its label mix and optics), never seen in training."""
     mix = datasets.label_mix(spec.seed, spec.num_factories, spec.alpha)[index]
@@ -97,22 +136,40 @@ def factory_test_set(spec: datasets.SyntheticSpec, index: int, size: int) -> Ima
 
 class Bench:
     def __init__(self, seed: int, factories: int, alpha: float, train_size: int, workdir: Path, tag: str, dp_epsilon: float = 0.0,
-                 rounds: int = 1) -> None:
+                 rounds: int = 1, folders: Folders | None = None) -> None:
         self.spec = datasets.SyntheticSpec(seed=seed, num_factories=factories, alpha=alpha, train_size=train_size)
-        self.seed = seed
+        self.seed, self.folders = seed, folders
+        self.classes = folders.classes if folders else tuple(synth.CLASSES)
+        if folders:
+            factories = len(folders.factories)
         state = workdir / f"{tag}-seed{seed}-a{alpha}-n{factories}-dp{dp_epsilon}-{time.time_ns()}"
         self.trainers = [FactoryTrainer(AgentConfig(
             factory_id=f"f{i}", factory_index=i, num_factories=factories, data_seed=seed, alpha=alpha, train_size=train_size,
+            data=str(folders.factories[i] / "train") if folders else "synthetic", classes=",".join(self.classes),
             state_dir=str(state / f"f{i}"), dp=dp_epsilon > 0, dp_epsilon=dp_epsilon or 8.0, dp_planned_rounds=rounds))
             for i in range(factories)]
         for trainer in self.trainers:  # one feature cache for every run of the bench (features depend on the images only)
             trainer.features = FeatureCache(workdir / "bench-features.db")
-        self.test = datasets.test_dataset(self.spec, 1200)
-        self.factory_tests = [factory_test_set(self.spec, i, 300) for i in range(factories)]
+        if folders:
+            self.factory_tests = [folders.test_set(d / "test", self.spec.image_size) for d in folders.factories]
+            self.test = (folders.test_set(folders.central_test, self.spec.image_size) if folders.central_test else
+                         ImageDataset(np.concatenate([t.images for t in self.factory_tests]), np.concatenate([t.labels for t in self.factory_tests]),
+                                      self.classes))
+        else:
+            self.test = datasets.test_dataset(self.spec, 1200)
+            self.factory_tests = [factory_test_set(self.spec, i, 300) for i in range(factories)]
         self.cache = FeatureCache(workdir / "bench-features.db")
 
     def config(self, recipe: Recipe, server_round: int) -> dict:
-        return recipe.federation(self.seed).train_config(server_round, recipe.architecture)
+        return replace(recipe.federation(self.seed), classes=format_classes(self.classes)).train_config(server_round, recipe.architecture)
+
+    @property
+    def request(self) -> DataRequest:
+        """How the run wants the factories' images (its class list, image size, channels)."""
+        return data_request_from(self.config(RECIPES["default"], 1))
+
+    def model(self, arch: str, seed: int | None = None):
+        return build_model(arch, len(self.classes), seed=seed) if seed is not None else build_model(arch, len(self.classes))
 
     def inputs(self, model, arch: str, data: ImageDataset):
         if not is_pretrained(arch):
@@ -120,12 +177,12 @@ class Bench:
         return features_of(data, model.backbone.spec.ident, model.encode, self.cache, array_keys(data.images))
 
     def accuracy(self, arch: str, weights, data: ImageDataset) -> float:
-        model = load_weights(build_model(arch, 6), weights)
+        model = load_weights(self.model(arch), weights)
         return evaluate(federated_part(model), self.inputs(model, arch, data)).accuracy
 
     def federate(self, recipe: Recipe) -> dict:
         """The federation: returns the global model's accuracy per round, seconds of training, and each factory's served accuracy."""
-        weights = weights_of(build_model(recipe.architecture, 6, seed=self.seed))
+        weights = weights_of(self.model(recipe.architecture, self.seed))
         optimizer = ServerOptimizer(recipe.server_optimizer, recipe.server_lr, recipe.server_momentum)
         per_round, train_seconds = [], 0.0
         for r in range(1, recipe.rounds + 1):
@@ -137,36 +194,36 @@ class Bench:
             weights = optimizer.step(weights, fedavg(updates, like=weights))
             per_round.append(self.accuracy(recipe.architecture, weights, self.test))
         served = []
-        request = DataRequest()
+        request = self.request
         for i, trainer in enumerate(self.trainers):
-            # what inspection serves (client.agent.personal_chooser): the personal fine-tune of the final model, if it scores better
+            # what inspection serves (client.agent.personal_chooser): the personal model of the final global model, unless
+            # the global one validates clearly better on the factory's held-out split
             trainer.evaluate(weights, self.config(recipe, recipe.rounds + 1))  # the evaluate-only phase: nothing changes
             personal = self.personal_of(trainer, recipe, weights)
-            g = trainer.score(recipe.architecture, weights, request)
-            p = trainer.score(recipe.architecture, personal, request)
-            served.append(self.accuracy(recipe.architecture, personal if p > g else weights, self.factory_tests[i]))
+            clearly = global_clearly_better(trainer.held_out_hits(recipe.architecture, weights, request),
+                                            trainer.held_out_hits(recipe.architecture, personal, request))
+            served.append(self.accuracy(recipe.architecture, weights if clearly else personal, self.factory_tests[i]))
         return {"accuracy": per_round[-1], "per_round": per_round, "served": served, "train_seconds": train_seconds,
                 "payload_values": int(sum(v.size for v in weights.values()))}
 
     def personal_of(self, trainer: FactoryTrainer, recipe: Recipe, weights: OrderedDict) -> OrderedDict:
-        """The factory's personal fine-tune of the final global model (what its agent keeps after a round with it)."""
+        """The factory's personal model of the final global model (what its agent keeps after a round with it)."""
         config = self.config(recipe, recipe.rounds)
-        prep = trainer.prepare(weights, config)
-        model = load_weights(build_model(recipe.architecture, 6), weights)
-        train(federated_part(model), prep.train_set, TrainConfig.from_run_config(config, seed=self.seed).personal())
-        return weights_of(model)
+        head = trainer.personal_head(trainer.prepare(weights, config), weights, TrainConfig.from_run_config(config, seed=self.seed))
+        return OrderedDict((k, v.detach().numpy().copy()) for k, v in head.state_dict().items())
 
     def pooled_and_local(self, recipe: Recipe) -> dict:
         epochs = recipe.rounds * recipe.local_epochs
         cfg = TrainConfig(epochs=epochs, lr=recipe.lr, seed=self.seed)
-        splits = [t.data.split(DataRequest()).train for t in self.trainers]
-        union = ImageDataset(np.concatenate([s.images for s in splits]), np.concatenate([s.labels for s in splits]))
-        model = build_model(recipe.architecture, 6, seed=self.seed)
+        splits = [t.data.split(self.request).train for t in self.trainers]
+        union = ImageDataset(np.concatenate([s.images_at(np.arange(len(s))) for s in splits]), np.concatenate([s.labels for s in splits]),
+                             self.classes)
+        model = self.model(recipe.architecture, self.seed)
         train(federated_part(model), self.inputs(model, recipe.architecture, union), cfg)
         pooled = evaluate(federated_part(model), self.inputs(model, recipe.architecture, self.test)).accuracy
         local = []
         for i, split in enumerate(splits):
-            model = build_model(recipe.architecture, 6, seed=self.seed)
+            model = self.model(recipe.architecture, self.seed)
             train(federated_part(model), self.inputs(model, recipe.architecture, split), replace(cfg, seed=self.seed * 10 + i))
             local.append(evaluate(federated_part(model), self.inputs(model, recipe.architecture, self.factory_tests[i])).accuracy)
         return {"pooled": pooled, "local": local}
@@ -182,23 +239,30 @@ def main() -> None:
     p.add_argument("--train-size", type=int, default=600)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--workdir", default=None, help="feature cache and factory state (default: a temporary directory)")
+    p.add_argument("--folders", default=None, help="run on these image folders instead of the built-in generator (layout: see above)")
+    p.add_argument("--classes", default="", help="with --folders: the run's ordered class list (default: the folders' names, sorted)")
     a = p.parse_args()
     set_torch_threads(a.threads)
     workdir = Path(a.workdir or tempfile.mkdtemp(prefix="fedforge-quality-"))
+    folders = Folders.at(a.folders, a.classes) if a.folders else None
+    if folders:
+        a.settings = "folders"
+        print(f"{len(folders.factories)} factories from {a.folders}, classes {list(folders.classes)}", flush=True)
     rows = []
     for setting in a.settings.split(","):
-        factories, alpha = SETTINGS[setting]
+        factories, alpha = (len(folders.factories), 0.0) if folders else SETTINGS[setting]
         for key in a.recipes.split(","):
             recipe = RECIPES[key]
             for seed in map(int, a.seeds.split(",")):
                 t0 = time.perf_counter()
-                bench = Bench(seed, factories, alpha, a.train_size, workdir, key)
+                bench = Bench(seed, factories, alpha, a.train_size, workdir, key, folders=folders)
                 fed, base = bench.federate(recipe), bench.pooled_and_local(recipe)
                 row = {"setting": setting, "recipe": recipe.name, "seed": seed, **fed, **base, "seconds": time.perf_counter() - t0}
                 if a.dp and key == a.recipes.split(",")[0]:
                     dp_recipe = RECIPES[DP_RECIPE_OF.get(key, key)]
                     row["dp_recipe"] = dp_recipe.name
-                    row["dp_accuracy"] = Bench(seed, factories, alpha, a.train_size, workdir, key, dp_epsilon=8.0, rounds=dp_recipe.rounds).federate(
+                    row["dp_accuracy"] = Bench(seed, factories, alpha, a.train_size, workdir, key, dp_epsilon=8.0, rounds=dp_recipe.rounds,
+                                              folders=folders).federate(
                         replace(dp_recipe, name=dp_recipe.name + " DP"))["accuracy"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)

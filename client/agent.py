@@ -254,7 +254,9 @@ class Agent:
 
 
 def personal_chooser(trainer: FactoryTrainer, lock: threading.Lock) -> Any:
-    """Serve the personal model instead of the approved global one only when it scores better on the held-out split."""
+    """Serve the personal model instead of the approved global one unless the global validates clearly better on the
+    held-out split (`client.personal.global_clearly_better`)."""
+    from client.personal import global_clearly_better
     from client.trainer import model_for_weights
     from common.models import weights_of
 
@@ -265,13 +267,15 @@ def personal_chooser(trainer: FactoryTrainer, lock: threading.Lock) -> Any:
             return version_id, global_model, "global model (no personal model for this input yet)"
         weights, record = found
         with lock:  # the same caches the training thread uses
-            g = trainer.score(architecture, weights_of(global_model), request)
-            p = trainer.score(architecture, weights, request)
-        if p > g:
+            g_hits = trainer.held_out_hits(architecture, weights_of(global_model), request)
+            p_hits = trainer.held_out_hits(architecture, weights, request)
+        g, p = (float(h.mean()) if len(h) else 0.0 for h in (g_hits, p_hits))
+        if not global_clearly_better(g_hits, p_hits):
             return (f"personal:{record.server_round}@{version_id}", model_for_weights(weights, architecture, request),
-                    (f"personal model of round {record.server_round} scores {p:.4f} on this factory's held-out images, "
-                    f"the global {version_id[:8]} {g:.4f} ({p - g:+.4f})"))
-        return version_id, global_model, f"global {version_id[:8]} scores {g:.4f} on this factory's held-out images, the personal model {p:.4f}"
+                    (f"personal model of round {record.server_round} scores {p:.4f} on this factory's {len(p_hits)} held-out images, "
+                     f"the global {version_id[:8]} {g:.4f} ({p - g:+.4f}; the global is served only when clearly better)"))
+        return (version_id, global_model, (f"global {version_id[:8]} scores {g:.4f} on this factory's {len(g_hits)} held-out images, clearly "
+                                           f"better than the personal model's {p:.4f}"))
 
     return choose
 

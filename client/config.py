@@ -37,7 +37,7 @@ class AgentConfig:
     require_secure_aggregation: bool = False  # refuse every request whose answer would leave in plaintext (`fedforge client`: on)
     secagg_min_cohort: int = 3  # refuse secure-aggregation sessions with fewer share holders
     secagg_colluders: int = 0  # tolerated colluding factories: a session's threshold must exceed half its size plus this
-    personalize: bool = True  # keep a locally fine-tuned model; inspection serves it when it validates better
+    personalize: bool = True  # keep a personal model; inspection serves it unless the global one validates clearly better
     registry: str = ""  # the central ModelRegistry (host:port); with it, the agent serves Inspection
     registry_public_key: str = ""  # the central site's pinned signing.pub (who made a version)
     release_public_key: str = ""  # the federation's pinned release.pub (what may be served: signed approvals)

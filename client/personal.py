@@ -1,16 +1,19 @@
 """A factory's personal model: the latest global model fine-tuned on this factory's own images.
 
-Every round a factory trains the global model on its data; that result is kept on disk per
-architecture, with its accuracy on the factory's held-out split and that of the global model it
-started from. Inspection (`client.inspection`) serves whichever of the approved global model and
-this personal model scores better on the held-out split, and says which and by how much. The
-personal model never leaves the factory.
+Every round a factory fine-tunes the global model it received on its data (for the pretrained family,
+blended with a head trained on its images alone: `client.trainer.FactoryTrainer.personal_head`); that
+result is kept on disk per architecture, with its accuracy on the factory's held-out split and that
+of the global model it started from. Inspection (`client.inspection`) serves the personal model
+unless the approved global model validates clearly better on the held-out split
+(`global_clearly_better`), and says which and by how much. The personal model never leaves the
+factory.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
@@ -71,3 +74,25 @@ class PersonalModels:
             log.warning("personal model %s is unreadable (%s); serving the global model only", weights_path, exc)
             return None
         return weights, record
+
+
+CLEARLY_BETTER_LEVEL = 0.05
+
+
+def global_clearly_better(global_hits: np.ndarray, personal_hits: np.ndarray, level: float = CLEARLY_BETTER_LEVEL) -> bool:
+    """Whether the global model beats the personal one on the held-out images by more than chance would: a one-sided
+    exact McNemar test on the images exactly one of them gets right (p < ``level``).
+
+    Why not simply the higher accuracy: a factory holds out a few dozen images, so one image is 2-3 points, and the
+    global model, trained mostly on other factories' optics and label mixes, served on a tie or a one-image lead lost
+    up to 5 points on the factory's own test images where its personal model lost none (docs/benchmarks.md). With
+    ``level`` 0.05 the global model needs at least five such images and none the other way."""
+    if global_hits.shape != personal_hits.shape:
+        raise ValueError(f"held-out hits of different lengths: {global_hits.shape} and {personal_hits.shape}")
+    only_global = int(np.sum(global_hits & ~personal_hits))
+    only_personal = int(np.sum(personal_hits & ~global_hits))
+    n = only_global + only_personal
+    if only_global <= only_personal:
+        return False
+    p_value = sum(math.comb(n, k) for k in range(only_global, n + 1)) / 2**n
+    return p_value < level

@@ -71,6 +71,9 @@ class TrainConfig:
     logit_adjustment: float = field(default=0.0, metadata=_key("logit-adjustment", "tau: train on logits + tau log(local label prior), 0 = off"))
     personal_epochs: int = field(default=10, metadata=_key("personal-epochs", "epochs of a factory's personal fine-tune of each global model"))
     personal_lr: float = field(default=1e-3, metadata=_key("personal-lr", "learning rate of that fine-tune (not decayed over rounds)"))
+    local_only_epochs: int = field(default=20, metadata=_key(
+        "local-only-epochs", "epochs of the head a factory trains on its own images alone; its personal model is the mean of that head "
+                             "and the fine-tuned global one (pretrained family; 0: the fine-tune alone)"))
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -78,8 +81,9 @@ class TrainConfig:
             raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {self.optimizer!r}")
         if self.epochs < 0 or self.batch_size < 1 or self.lr <= 0:
             raise ValueError(f"local-epochs must be >= 0, batch-size >= 1 and lr > 0 (got {self.epochs}, {self.batch_size}, {self.lr})")
-        if self.personal_epochs < 0 or self.personal_lr <= 0:
-            raise ValueError(f"personal-epochs must be >= 0 and personal-lr > 0 (got {self.personal_epochs}, {self.personal_lr})")
+        if self.personal_epochs < 0 or self.personal_lr <= 0 or self.local_only_epochs < 0:
+            raise ValueError(f"personal-epochs and local-only-epochs must be >= 0 and personal-lr > 0 "
+                             f"(got {self.personal_epochs}, {self.local_only_epochs}, {self.personal_lr})")
         if self.proximal_mu < 0 or self.weight_decay < 0 or self.grad_clip < 0 or not 0 <= self.warmup_fraction < 1:
             raise ValueError("proximal-mu, weight-decay and grad-clip must be >= 0 and warmup-fraction in [0, 1)")
 
@@ -106,6 +110,10 @@ class TrainConfig:
     def personal(self) -> TrainConfig:
         """The fine-tune that makes a factory's personal model: its own epochs and learning rate, plain cross-entropy."""
         return replace(self, epochs=self.personal_epochs, lr=self.personal_lr, proximal_mu=0.0, logit_adjustment=0.0)
+
+    def local_only(self) -> TrainConfig:
+        """Training a head on the factory's images alone, from scratch (blended into its personal model)."""
+        return replace(self.personal(), epochs=self.local_only_epochs)
 
     def to_run_config(self) -> dict[str, Any]:
         return {f.metadata["key"]: getattr(self, f.name) for f in fields(self) if "key" in f.metadata}

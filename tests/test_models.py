@@ -229,28 +229,72 @@ def test_fedprox_adds_mu_times_the_distance_to_the_global_model_to_the_gradient(
     assert float(proximal_term(model, w0).detach()) == pytest.approx(sum(float(((p - a) ** 2).sum()) for p, a in zip(model.parameters(), w0)))
 
 
-def test_personal_model_is_served_only_when_it_validates_better(tmp_path):
+def test_personal_model_is_the_mean_of_a_fine_tune_and_a_head_trained_alone_served_unless_the_global_is_clearly_better(tmp_path):
     import threading
+    from dataclasses import replace
 
     from client.agent import personal_chooser
+    from client.personal import global_clearly_better
+    from client.trainer import ALONE_SEED, train_config_from
 
-    trainer = FactoryTrainer(AgentConfig(factory_id="p", train_size=60, alpha=0.1, state_dir=str(tmp_path)))
+    trainer = FactoryTrainer(AgentConfig(factory_id="p", train_size=60, alpha=0.1, val_fraction=0.5, state_dir=str(tmp_path)))
     initial = weights_of(build_model(ARCH, 6, seed=0))
-    local = trainer.train(initial, {**CONFIG, "local-epochs": 3, "lr": 0.01, "personal-epochs": 5}, 1, run_id="r")
+    config = {**CONFIG, "local-epochs": 3, "lr": 0.01, "personal-epochs": 5, "local-only-epochs": 8}
+    local = trainer.train(initial, config, 1, run_id="r")
     trainer.wait_personal()  # the fine-tune runs beside the round
     personal, record = trainer.personal.get(ARCH)
-    # the personal model is the received global model fine-tuned here, not the update that was sent
-    assert record.global_accuracy == pytest.approx(local.received.accuracy) and not np.allclose(personal["weight"], local.weights["weight"])
+    assert record.global_accuracy == pytest.approx(local.received.accuracy)
     assert record.accuracy == pytest.approx(trainer.score(ARCH, personal, DataRequest()))
+
+    # what it is: the received global head fine-tuned here, averaged with a head trained from scratch on the same images
+    cfg = train_config_from(config, 1)  # the round's options, as the trainer reads them
+    train_set = trainer.prepare(initial, config).train_set
+    tuned = federated_part(load_weights(build_model(ARCH, 6), initial))
+    train(tuned, train_set, cfg.personal())
+    alone = federated_part(build_model(ARCH, 6, seed=ALONE_SEED))
+    train(alone, train_set, replace(cfg.local_only(), seed=ALONE_SEED))
+    for key, value in personal.items():
+        expected = (tuned.state_dict()[key].numpy() + alone.state_dict()[key].numpy()) / 2
+        np.testing.assert_allclose(value, expected, atol=1e-5)
+    assert not np.allclose(personal["weight"], local.weights["weight"])  # not the update that was sent
+    fine_tune_only = trainer.personal_head(trainer.prepare(initial, config), initial, train_config_from({**config, "local-only-epochs": 0}, 1))
+    np.testing.assert_allclose(fine_tune_only.weight.detach().numpy(), tuned.weight.detach().numpy(), atol=1e-5)
+
     choose = personal_chooser(trainer, threading.Lock())
-    untrained = build_model(ARCH, 6, seed=0)
-    label, _, why = choose("v1", ARCH, DataRequest(), untrained)
-    g = trainer.score(ARCH, weights_of(untrained), DataRequest())
-    p = trainer.score(ARCH, personal, DataRequest())
-    assert p > g and label.startswith("personal:1@v1") and f"{p - g:+.4f}" in why
-    label, _served, why = choose("v2", ARCH, DataRequest(), load_weights(build_model(ARCH, 6), personal))
-    assert label == "v2" and "global" in why  # as good as the personal model: the approved global model is served
+    label, _, why = choose("v1", ARCH, DataRequest(), build_model(ARCH, 6, seed=0))  # the untrained global model
+    assert label.startswith("personal:1@v1") and "held-out images" in why
+    label, _, _ = choose("v2", ARCH, DataRequest(), load_weights(build_model(ARCH, 6), personal))  # a tie: the factory's own model
+    assert label.startswith("personal:1@v2")
+
+    # a personal model that says one class whatever it sees, against a global model that gets most held-out images right
+    held_out = np.asarray(trainer.prepare(initial, config).held_out.labels)
+    rarest = int(np.argmin(np.bincount(held_out, minlength=6)))
+    constant = OrderedDict((k, np.zeros_like(v)) for k, v in personal.items())
+    constant["bias"][rarest] = 10.0
+    trainer.personal.offer(ARCH, DataRequest(), constant, 0.0, 0.0, 2)
+    good = load_weights(build_model(ARCH, 6), personal)
+    g_hits = trainer.held_out_hits(ARCH, personal, DataRequest())
+    assert global_clearly_better(g_hits, trainer.held_out_hits(ARCH, constant, DataRequest()))
+    label, served, why = choose("v3", ARCH, DataRequest(), good)
+    assert label == "v3" and served is good and "clearly better" in why
     trainer.close()
+
+
+def test_the_global_model_is_clearly_better_only_beyond_chance_on_the_images_one_model_gets_right():
+    from client.personal import global_clearly_better
+
+    def hits(only_global: int, only_personal: int, both: int = 10) -> tuple[np.ndarray, np.ndarray]:
+        g = np.array([True] * only_global + [False] * only_personal + [True] * both)
+        return g, np.array([False] * only_global + [True] * only_personal + [True] * both)
+
+    # one-sided exact McNemar: P(X >= b | n = b + c, 1/2) < 0.05
+    assert global_clearly_better(*hits(5, 0))  # 1/32
+    assert not global_clearly_better(*hits(4, 0))  # 1/16
+    assert not global_clearly_better(*hits(6, 1))  # 8/128
+    assert global_clearly_better(*hits(7, 1))  # 9/256
+    assert not global_clearly_better(*hits(3, 3)) and not global_clearly_better(*hits(0, 9)) and not global_clearly_better(*hits(0, 0))
+    with pytest.raises(ValueError, match="different lengths"):
+        global_clearly_better(np.ones(3, dtype=bool), np.ones(4, dtype=bool))
 
 
 def test_cnn_family_still_trains_and_averages_every_weight():
