@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -254,28 +255,43 @@ class Agent:
 
 
 def personal_chooser(trainer: FactoryTrainer, lock: threading.Lock) -> Any:
-    """Serve the personal model instead of the approved global one unless the global validates clearly better on the
-    held-out split (`client.personal.global_clearly_better`)."""
-    from client.personal import global_clearly_better
+    """Serve the factory's personal model *of the approved version* instead of that version, unless the approved
+    version validates clearly better on the held-out split (`client.personal.global_clearly_better`).
+
+    A round leaves a personal model of the global model it received, which nobody has approved; when that is not
+    the approved version, the chooser makes the personal model of the approved weights (same training settings,
+    about a second on cached features), once per approved version."""
+    from client.personal import global_clearly_better, weights_digest
     from client.trainer import model_for_weights
     from common.models import weights_of
+
+    made: dict[tuple[str, Any, str], OrderedDict[str, np.ndarray]] = {}  # the latest approved version's personal model
 
     def choose(version_id: str, architecture: str, request: Any, global_model: Any) -> tuple[str, Any, str]:
         assert trainer.personal is not None
         found = trainer.personal.get(architecture)
         if found is None or found[1].request != request:
             return version_id, global_model, "global model (no personal model for this input yet)"
-        weights, record = found
+        approved = weights_of(global_model)
+        digest = weights_digest(approved)
         with lock:  # the same caches the training thread uses
-            g_hits = trainer.held_out_hits(architecture, weights_of(global_model), request)
+            if found[1].base_sha256 == digest:
+                weights = found[0]
+            else:
+                key = (architecture, request, digest)
+                if key not in made:
+                    made.clear()
+                    made[key] = trainer.personal_of(architecture, request, approved, found[1].settings)[0]
+                weights = made[key]
+            g_hits = trainer.held_out_hits(architecture, approved, request)
             p_hits = trainer.held_out_hits(architecture, weights, request)
         g, p = (float(h.mean()) if len(h) else 0.0 for h in (g_hits, p_hits))
         if not global_clearly_better(g_hits, p_hits):
-            return (f"personal:{record.server_round}@{version_id}", model_for_weights(weights, architecture, request),
-                    (f"personal model of round {record.server_round} scores {p:.4f} on this factory's {len(p_hits)} held-out images, "
-                     f"the global {version_id[:8]} {g:.4f} ({p - g:+.4f}; the global is served only when clearly better)"))
+            return (f"personal@{version_id}", model_for_weights(weights, architecture, request),
+                    (f"this factory's personal model of {version_id[:8]} scores {p:.4f} on its {len(p_hits)} held-out images, "
+                     f"the approved model itself {g:.4f} ({p - g:+.4f}; that is served only when clearly better)"))
         return (version_id, global_model, (f"global {version_id[:8]} scores {g:.4f} on this factory's {len(g_hits)} held-out images, clearly "
-                                           f"better than the personal model's {p:.4f}"))
+                                           f"better than its personal model's {p:.4f}"))
 
     return choose
 

@@ -59,7 +59,7 @@ class Served:
     version: str  # the approved global version being followed
     model: torch.nn.Module
     request: DataRequest
-    label: str  # reported as model_version: the version id, or "personal:<round>@<version>"
+    label: str  # reported as model_version: the version id, or "personal@<version>" (the personal model of that version)
     description: str = ""
 
 
@@ -156,9 +156,9 @@ class SignedStatement:
 class ApprovalFollower(threading.Thread):
     """Follows WatchApproved; keeps `serving` on the newest version approved by a valid signed statement.
 
-    With a ``chooser`` (personalisation), the approved global model is served only if it scores at
-    least as well on the factory's held-out split as the factory's personal model; `reconsider`
-    repeats that choice after a round has produced a new personal model. With a ``state_path`` the
+    With a ``chooser`` (personalisation, `client.agent.personal_chooser`), the factory's personal model of the
+    approved version is served unless the approved model validates clearly better on the factory's held-out
+    split; `reconsider` repeats that choice after a round (its settings may have changed). With a ``state_path`` the
     applied release number and approvals survive restarts, so a registry that later replays an older
     history cannot move this line backwards.
     """

@@ -11,12 +11,14 @@ factory.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import os
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +37,8 @@ class PersonalRecord:
     classes: tuple[str, ...]
     image_size: int
     channels: int
+    base_sha256: str = ""  # `weights_digest` of the global weights it was made from
+    settings: dict = field(default_factory=dict)  # the run-config training keys it was made with (`TrainConfig.to_run_config`)
 
     @property
     def request(self) -> DataRequest:
@@ -46,11 +50,11 @@ class PersonalModels:
         self.root = Path(root)
 
     def offer(self, architecture: str, request: DataRequest, weights: OrderedDict[str, np.ndarray], accuracy: float,
-              global_accuracy: float, server_round: int) -> PersonalRecord:
-        """Keep this round's fine-tuned model (written atomically: weights first, then the record naming them)."""
+              global_accuracy: float, server_round: int, base_sha256: str = "", settings: Mapping[str, object] | None = None) -> PersonalRecord:
+        """Keep this round's personal model (written atomically: weights first, then the record naming them)."""
         self.root.mkdir(parents=True, exist_ok=True)
         record = PersonalRecord(architecture, server_round, float(accuracy), float(global_accuracy), tuple(request.classes),
-                                request.image_size, request.channels)
+                                request.image_size, request.channels, base_sha256, dict(settings or {}))
         tmp = self.root / f".{architecture}.tmp.npz"
         with open(tmp, "wb") as f:
             np.savez(f, **weights)
@@ -74,6 +78,16 @@ class PersonalModels:
             log.warning("personal model %s is unreadable (%s); serving the global model only", weights_path, exc)
             return None
         return weights, record
+
+
+def weights_digest(weights: Mapping[str, np.ndarray]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes: which global model a personal model was made from."""
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        array = np.ascontiguousarray(weights[name])
+        digest.update(f"{name}|{array.dtype.str}|{array.shape}|".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
 
 
 CLEARLY_BETTER_LEVEL = 0.05

@@ -32,7 +32,7 @@ from client.config import AgentConfig
 from client.data import DataRequest, FactoryData, fit_reason, open_source
 from client.dp import DPPlan, check_dp_compatible, sample_rate, steps_per_epoch, train_private
 from client.parallel import apply_activation_checkpointing
-from client.personal import PersonalModels
+from client.personal import PersonalModels, weights_digest
 from client.privacy import PrivacyLedger, noise_for_budget
 from client.workers import Job, WorkerGroup
 from common.data import datasets
@@ -250,7 +250,8 @@ class FactoryTrainer:
         try:
             head = self.personal_head(prep, received_weights, cfg)
             score = evaluate(head, prep.held_out)
-            self.personal.offer(prep.architecture, prep.request, _state_of(head), score.accuracy, received.accuracy, server_round)
+            self.personal.offer(prep.architecture, prep.request, _state_of(head), score.accuracy, received.accuracy, server_round,
+                                weights_digest(received_weights), cfg.to_run_config())
         except Exception:
             log.exception("round %d: the personal fine-tune failed; inspection keeps the previous choice", server_round)
             return
@@ -279,6 +280,17 @@ class FactoryTrainer:
             tuned = _state_of(head)
             head.load_state_dict({k: torch.from_numpy((v + alone[k]) / 2) for k, v in tuned.items()})
         return head
+
+    def personal_of(self, architecture: str, request: DataRequest, base_weights: OrderedDict[str, np.ndarray],
+                    settings: dict[str, Any]) -> tuple[OrderedDict[str, np.ndarray], float]:
+        """The personal model of ``base_weights`` (the approved version inspection follows), made now with the training
+        ``settings`` of the round's personal model, and its held-out accuracy. Inspection serves personal models of the
+        approved version only, never one made from a global model nobody approved."""
+        config = {**settings, "architecture": architecture, "classes": ",".join(request.classes), "image-size": request.image_size,
+                  "channels": request.channels}
+        prep = self.prepare(base_weights, config)
+        head = self.personal_head(prep, base_weights, train_config_from(config, 0))
+        return _state_of(head), (evaluate(head, prep.held_out).accuracy if len(prep.held_out) else 0.0)
 
     def _alone_head(self, prep: Prepared, cfg: TrainConfig) -> OrderedDict[str, np.ndarray]:
         """A head trained from scratch on this factory's training split only: once per request and training settings, with

@@ -229,12 +229,12 @@ def test_fedprox_adds_mu_times_the_distance_to_the_global_model_to_the_gradient(
     assert float(proximal_term(model, w0).detach()) == pytest.approx(sum(float(((p - a) ** 2).sum()) for p, a in zip(model.parameters(), w0)))
 
 
-def test_personal_model_is_the_mean_of_a_fine_tune_and_a_head_trained_alone_served_unless_the_global_is_clearly_better(tmp_path):
+def test_personal_model_of_the_approved_version_is_the_mean_of_a_fine_tune_and_a_head_trained_alone_served_unless_clearly_worse(tmp_path):
     import threading
     from dataclasses import replace
 
     from client.agent import personal_chooser
-    from client.personal import global_clearly_better
+    from client.personal import global_clearly_better, weights_digest
     from client.trainer import ALONE_SEED, train_config_from
 
     trainer = FactoryTrainer(AgentConfig(factory_id="p", train_size=60, alpha=0.1, val_fraction=0.5, state_dir=str(tmp_path)))
@@ -260,21 +260,32 @@ def test_personal_model_is_the_mean_of_a_fine_tune_and_a_head_trained_alone_serv
     fine_tune_only = trainer.personal_head(trainer.prepare(initial, config), initial, train_config_from({**config, "local-only-epochs": 0}, 1))
     np.testing.assert_allclose(fine_tune_only.weight.detach().numpy(), tuned.weight.detach().numpy(), atol=1e-5)
 
-    choose = personal_chooser(trainer, threading.Lock())
-    label, _, why = choose("v1", ARCH, DataRequest(), build_model(ARCH, 6, seed=0))  # the untrained global model
-    assert label.startswith("personal:1@v1") and "held-out images" in why
-    label, _, _ = choose("v2", ARCH, DataRequest(), load_weights(build_model(ARCH, 6), personal))  # a tie: the factory's own model
-    assert label.startswith("personal:1@v2")
+    assert record.base_sha256 == weights_digest(initial) and record.settings["personal-epochs"] == 5  # what it was made from
 
-    # a personal model that says one class whatever it sees, against a global model that gets most held-out images right
+    choose = personal_chooser(trainer, threading.Lock())
+    label, served, why = choose("v1", ARCH, DataRequest(), build_model(ARCH, 6, seed=0))  # approved: the model it was made from
+    assert label == "personal@v1" and "held-out images" in why
+    np.testing.assert_allclose(federated_part(served).weight.detach().numpy(), personal["weight"])
+
+    # another approved version: never the personal model of a global model nobody approved, but one made from this version
+    other = load_weights(build_model(ARCH, 6), local.weights)
+    label, served, _ = choose("v2", ARCH, DataRequest(), other)
+    of_other, _ = trainer.personal_of(ARCH, DataRequest(), local.weights, record.settings)
+    clearly = global_clearly_better(trainer.held_out_hits(ARCH, local.weights, DataRequest()), trainer.held_out_hits(ARCH, of_other, DataRequest()))
+    if clearly:
+        assert label == "v2" and served is other
+    else:
+        assert label == "personal@v2" and not np.allclose(of_other["weight"], personal["weight"])
+        np.testing.assert_allclose(federated_part(served).weight.detach().numpy(), of_other["weight"], atol=1e-6)
+
+    # a personal model that says one class whatever it sees, against an approved model that gets most held-out images right
     held_out = np.asarray(trainer.prepare(initial, config).held_out.labels)
     rarest = int(np.argmin(np.bincount(held_out, minlength=6)))
     constant = OrderedDict((k, np.zeros_like(v)) for k, v in personal.items())
     constant["bias"][rarest] = 10.0
-    trainer.personal.offer(ARCH, DataRequest(), constant, 0.0, 0.0, 2)
+    trainer.personal.offer(ARCH, DataRequest(), constant, 0.0, 0.0, 2, weights_digest(personal), record.settings)
     good = load_weights(build_model(ARCH, 6), personal)
-    g_hits = trainer.held_out_hits(ARCH, personal, DataRequest())
-    assert global_clearly_better(g_hits, trainer.held_out_hits(ARCH, constant, DataRequest()))
+    assert global_clearly_better(trainer.held_out_hits(ARCH, personal, DataRequest()), trainer.held_out_hits(ARCH, constant, DataRequest()))
     label, served, why = choose("v3", ARCH, DataRequest(), good)
     assert label == "v3" and served is good and "clearly better" in why
     trainer.close()
