@@ -35,8 +35,9 @@ def agent_options(f):  # type: ignore[no-untyped-def]
         click.option("--secagg-min-cohort", default=3, type=click.IntRange(3), help="Refuse secure-aggregation sessions with fewer share holders."),
         click.option("--secagg-colluders", default=0, type=click.IntRange(0), help="Colluding factories to tolerate: a session's threshold must "
                      "exceed half its size plus this."),
-        click.option("--personalize/--no-personalize", default=True, help="Keep the global model fine-tuned on this factory's images; "
-                     "Inspection serves it unless the global model validates clearly better on the held-out split."),
+        click.option("--personalize/--no-personalize", default=True, help="Keep a personal model (the approved model fine-tuned on this "
+                     "factory's images, blended with a head trained on them alone); Inspection serves it unless the approved model "
+                     "validates clearly better on the held-out split."),
         click.option("--factory-index", default=0, type=int, help="Synthetic data: which partition this factory holds."),
         click.option("--num-factories", default=3, type=int, help="Synthetic data: number of partitions."),
         click.option("--data-seed", default=0, type=int, help="Synthetic data: seed."),
