@@ -1,13 +1,12 @@
-"""A factory's personal model: the latest global model fine-tuned on this factory's own images.
+"""A factory's personal model of a global model: that model fine-tuned on this factory's own images.
 
-Every round a factory fine-tunes the global model it received on its data (for the pretrained family,
-blended with a head trained on its images alone: `client.trainer.FactoryTrainer.personal_head`); that
-result is kept on disk per architecture, with its accuracy on the factory's held-out split and that
-of the global model it started from. Inspection (`client.inspection`) serves the personal model
-unless the approved global model validates clearly better on the held-out split
-(`global_clearly_better`), and says which and by how much. The personal model never leaves the
-factory.
-"""
+Every round a factory makes the personal model of the global model it received (for the pretrained
+family, blended with a head trained on its images alone: `client.trainer.FactoryTrainer.personal_head`);
+it is kept on disk per architecture with the sha256 of the weights it was made from, its training
+settings, its accuracy on the factory's held-out split and that of the global model. Inspection serves
+the personal model *of the approved version* (`client.agent.personal_chooser` makes it when the round's
+is of another version) unless the approved model validates clearly better on the held-out split
+(`global_clearly_better`), and says which and by how much. The personal model never leaves the factory."""
 
 from __future__ import annotations
 
