@@ -169,7 +169,7 @@ class Bench:
         return data_request_from(self.config(RECIPES["default"], 1))
 
     def model(self, arch: str, seed: int | None = None):
-        return build_model(arch, len(self.classes), seed=seed) if seed is not None else build_model(arch, len(self.classes))
+        return build_model(arch, len(self.classes), seed=seed)
 
     def inputs(self, model, arch: str, data: ImageDataset):
         if not is_pretrained(arch):
@@ -210,7 +210,7 @@ class Bench:
         """The factory's personal model of the final global model (what its agent keeps after a round with it)."""
         config = self.config(recipe, recipe.rounds)
         head = trainer.personal_head(trainer.prepare(weights, config), weights, TrainConfig.from_run_config(config, seed=self.seed))
-        return OrderedDict((k, v.detach().numpy().copy()) for k, v in head.state_dict().items())
+        return weights_of(head)
 
     def pooled_and_local(self, recipe: Recipe) -> dict:
         epochs = recipe.rounds * recipe.local_epochs

@@ -281,7 +281,7 @@ def personal_chooser(trainer: FactoryTrainer, lock: threading.Lock) -> Any:
                 key = (architecture, request, digest)
                 if key not in made:
                     made.clear()
-                    made[key] = trainer.personal_of(architecture, request, approved, found[1].settings)[0]
+                    made[key] = trainer.personal_of(architecture, request, approved, found[1].settings)
                 weights = made[key]
             g_hits = trainer.held_out_hits(architecture, approved, request)
             p_hits = trainer.held_out_hits(architecture, weights, request)

@@ -45,6 +45,10 @@ class DataRequest:
         return cls(parse_classes(classes) if classes else synth.CLASSES, int(config.get("image-size", synth.DEFAULT_SIZE)),
                    int(config.get("channels", 1)))
 
+    def to_config(self) -> dict[str, object]:
+        """The data keys of a message asking for these images (what `from_config` reads back)."""
+        return {"classes": ",".join(self.classes), "image-size": self.image_size, "channels": self.channels}
+
 
 class DataSource(Protocol):
     kind: str  # "synthetic" or "folder"

@@ -40,7 +40,7 @@ from common.data.datasets import ImageSet
 from common.data.folder import DatasetError
 from common.distill import ProxySet, balanced_predictions, predict_proxy
 from common.features import FeatureCache, array_keys, cache_path, features_of
-from common.models import build_model, federated_part, is_pretrained, load_weights
+from common.models import build_model, federated_part, is_pretrained, load_weights, weights_of
 from common.tensors import UpdateError, check_like
 from common.training import EvalResult, TrainConfig, TrainResult, evaluate, predict_logits, set_torch_threads, train
 
@@ -250,7 +250,7 @@ class FactoryTrainer:
         try:
             head = self.personal_head(prep, received_weights, cfg)
             score = evaluate(head, prep.held_out)
-            self.personal.offer(prep.architecture, prep.request, _state_of(head), score.accuracy, received.accuracy, server_round,
+            self.personal.offer(prep.architecture, prep.request, weights_of(head), score.accuracy, received.accuracy, server_round,
                                 weights_digest(received_weights), cfg.to_run_config())
         except Exception:
             log.exception("round %d: the personal fine-tune failed; inspection keeps the previous choice", server_round)
@@ -277,20 +277,17 @@ class FactoryTrainer:
         train(head, prep.train_set, cfg.personal())
         if _blends(prep.architecture, cfg):
             alone = self._alone_head(prep, cfg.local_only())
-            tuned = _state_of(head)
+            tuned = weights_of(head)
             head.load_state_dict({k: torch.from_numpy((v + alone[k]) / 2) for k, v in tuned.items()})
         return head
 
     def personal_of(self, architecture: str, request: DataRequest, base_weights: OrderedDict[str, np.ndarray],
-                    settings: dict[str, Any]) -> tuple[OrderedDict[str, np.ndarray], float]:
+                    settings: dict[str, Any]) -> OrderedDict[str, np.ndarray]:
         """The personal model of ``base_weights`` (the approved version inspection follows), made now with the training
-        ``settings`` of the round's personal model, and its held-out accuracy. Inspection serves personal models of the
-        approved version only, never one made from a global model nobody approved."""
-        config = {**settings, "architecture": architecture, "classes": ",".join(request.classes), "image-size": request.image_size,
-                  "channels": request.channels}
-        prep = self.prepare(base_weights, config)
-        head = self.personal_head(prep, base_weights, train_config_from(config, 0))
-        return _state_of(head), (evaluate(head, prep.held_out).accuracy if len(prep.held_out) else 0.0)
+        ``settings`` of the round's personal model. Inspection serves personal models of the approved version only,
+        never one made from a global model nobody approved."""
+        config = {**settings, "architecture": architecture, **request.to_config()}
+        return weights_of(self.personal_head(self.prepare(base_weights, config), base_weights, train_config_from(config, 0)))
 
     def _alone_head(self, prep: Prepared, cfg: TrainConfig) -> OrderedDict[str, np.ndarray]:
         """A head trained from scratch on this factory's training split only: once per request and training settings, with
@@ -301,7 +298,7 @@ class FactoryTrainer:
             if key not in self._alone_heads:
                 head = federated_part(build_model(prep.architecture, len(prep.request.classes), seed=cfg.seed, in_channels=prep.request.channels))
                 train(head, prep.train_set, cfg)
-                self._alone_heads[key] = _state_of(head)
+                self._alone_heads[key] = weights_of(head)
             return self._alone_heads[key]
 
     def _charge_privacy(self, n: int, cfg: TrainConfig, config: dict[str, Any], server_round: int, run_id: str) -> tuple[dict[str, float], DPPlan]:
@@ -341,8 +338,7 @@ class FactoryTrainer:
 
     def held_out_hits(self, architecture: str, weights: OrderedDict[str, np.ndarray], request: DataRequest) -> np.ndarray:
         """Whether ``weights`` classifies each held-out image right, in a fixed order (personalisation's paired comparison)."""
-        config = {"architecture": architecture, "classes": ",".join(request.classes), "image-size": request.image_size, "channels": request.channels}
-        prep = self.prepare(weights, config)
+        prep = self.prepare(weights, {"architecture": architecture, **request.to_config()})
         if not len(prep.held_out):
             return np.zeros(0, dtype=bool)
         return predict_logits(prep.trainable, prep.held_out).argmax(1) == np.asarray(prep.held_out.labels)
@@ -388,7 +384,3 @@ def model_for_weights(weights: OrderedDict[str, np.ndarray], architecture: str, 
 def _blends(architecture: str, cfg: TrainConfig) -> bool:
     """Whether the personal model blends in a head trained on the factory's images alone (linear heads only)."""
     return is_pretrained(architecture) and cfg.local_only_epochs > 0
-
-
-def _state_of(module: nn.Module) -> OrderedDict[str, np.ndarray]:
-    return OrderedDict((k, v.detach().cpu().numpy().copy()) for k, v in module.state_dict().items())

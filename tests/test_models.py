@@ -270,7 +270,7 @@ def test_personal_model_of_the_approved_version_is_the_mean_of_a_fine_tune_and_a
     # another approved version: never the personal model of a global model nobody approved, but one made from this version
     other = load_weights(build_model(ARCH, 6), local.weights)
     label, served, _ = choose("v2", ARCH, DataRequest(), other)
-    of_other, _ = trainer.personal_of(ARCH, DataRequest(), local.weights, record.settings)
+    of_other = trainer.personal_of(ARCH, DataRequest(), local.weights, record.settings)
     clearly = global_clearly_better(trainer.held_out_hits(ARCH, local.weights, DataRequest()), trainer.held_out_hits(ARCH, of_other, DataRequest()))
     if clearly:
         assert label == "v2" and served is other
