@@ -129,8 +129,9 @@ def test_empty_and_missing_folders_are_refused(tmp_path):
 
 
 def test_the_quality_bench_compares_on_your_own_folders(tmp_path):
-    """`bench/quality.py --folders`: the issue's comparison (global, pooled, served vs local) on image folders with other
-    class names and a class one factory lacks; a wrong layout is refused naming what is missing."""
+    """`bench/quality.py --folders --dp`: the issue's comparison (global, pooled, served vs local, and under DP the global
+    model and what each factory serves) on image folders with other class names and a class one factory lacks; a wrong
+    layout is refused naming what is missing."""
     import subprocess
     import sys
     from pathlib import Path
@@ -143,12 +144,14 @@ def test_the_quality_bench_compares_on_your_own_folders(tmp_path):
                     _write(tmp_path / "root" / factory / part / name / f"{k}.png", value=int(40 + 80 * c + rng.integers(0, 20)))
     bench = Path(__file__).resolve().parents[1] / "bench" / "quality.py"
     run = subprocess.run([sys.executable, str(bench), "--folders", str(tmp_path / "root"), "--recipes", "default", "--seeds", "0",
-                          "--workdir", str(tmp_path / "work"), "--threads", "1"], capture_output=True, text=True, timeout=600, check=False)
+                          "--workdir", str(tmp_path / "work"), "--threads", "1", "--dp"], capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "2 factories from" in run.stdout and "['bolt', 'nut', 'washer']" in run.stdout
     row = next(line for line in run.stdout.splitlines() if line.startswith("| folders |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert 0.0 <= float(cells[2]) <= 1.0 and 0.0 <= float(cells[3]) <= 1.0 and cells[5].endswith("/1 seeds"), row
+    dp_mean, dp_worst = (float(v) for v in cells[8].split(","))  # DP served - served: mean, worst factory
+    assert 0.0 <= float(cells[7]) <= 1.0 and -1.0 <= dp_worst <= dp_mean <= 1.0, row
 
     (tmp_path / "root" / "plant-b" / "test").rename(tmp_path / "elsewhere")
     run = subprocess.run([sys.executable, str(bench), "--folders", str(tmp_path / "root")], capture_output=True, text=True, timeout=120, check=False)
