@@ -239,10 +239,11 @@ class _status_on_error:
 
 
 class Agent:
-    """A running agent: the gRPC server and the trainer (with its worker group) behind it."""
+    """A running agent: its control-plane server, its Inspection server (with a registry), and the trainer (with its
+    worker group) behind them."""
 
-    def __init__(self, server: grpc.Server, trainer: FactoryTrainer, follower: Any = None) -> None:
-        self.server, self.trainer, self.follower = server, trainer, follower
+    def __init__(self, server: grpc.Server, trainer: FactoryTrainer, follower: Any = None, inspection: grpc.Server | None = None) -> None:
+        self.server, self.trainer, self.follower, self.inspection = server, trainer, follower, inspection
 
     def wait(self) -> None:
         self.server.wait_for_termination()
@@ -250,6 +251,8 @@ class Agent:
     def stop(self, grace: float | None = 2.0) -> None:
         if self.follower is not None:
             self.follower.stop()
+        if self.inspection is not None:
+            self.inspection.stop(grace).wait()
         self.server.stop(grace).wait()
         self.trainer.close()
 
@@ -297,19 +300,20 @@ def personal_chooser(trainer: FactoryTrainer, lock: threading.Lock) -> Any:
 
 
 def serve(cfg: AgentConfig) -> Agent:
-    """Load the factory's data, start its worker group, and serve on ``cfg.listen``."""
+    """Load the factory's data, start its worker group, and serve the control plane on ``cfg.listen`` (this host only)
+    and, with a registry, Inspection on ``cfg.inspection_listen``."""
     trainer = FactoryTrainer(cfg)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
     servicer = EdgeAgentServicer(trainer)
     edge_pb2_grpc.add_EdgeAgentServicer_to_server(servicer, server)
-    follower = None
+    follower = inspection = None
     if cfg.registry:
         from client.inspection import ApprovalFollower, InspectionServicer, ServingModel
         from client.models import ModelClient
         from common.signing import load_public
 
         serving = ServingModel()
-        edge_pb2_grpc.add_InspectionServicer_to_server(InspectionServicer(serving), server)
+        inspection = inspection_server(cfg, InspectionServicer(serving))
         credentials = grpc.ssl_channel_credentials(Path(cfg.registry_ca).read_bytes()) if cfg.registry_ca else None
         client = ModelClient(cfg.registry, load_public(cfg.registry_public_key), Path(cfg.state_dir) / "models", credentials, cfg.registry_token)
         chooser = personal_chooser(trainer, servicer._lock) if cfg.personalize else None
@@ -317,10 +321,35 @@ def serve(cfg: AgentConfig) -> Agent:
                                     state_path=Path(cfg.state_dir) / "releases.json")
         servicer.after_round = follower.reconsider
         servicer.serving_description = lambda: f"{serving.current().label}: {serving.description}" if serving.version else ""
+    if cfg.listen.startswith("unix:"):  # the socket's directory is what the SuperNode's user or container is given
+        Path(cfg.listen.removeprefix("unix:")).parent.mkdir(parents=True, exist_ok=True)
     if server.add_insecure_port(cfg.listen) == 0 and not cfg.listen.startswith("unix:"):
         raise RuntimeError(f"edge agent could not listen on {cfg.listen}")
     server.start()
+    if inspection is not None:
+        inspection.start()
     if follower is not None:
         follower.start()
-    log.info("edge agent for factory %s serving on %s%s", cfg.factory_id, cfg.listen, " (with inspection)" if follower else "")
-    return Agent(server, trainer, follower)
+    log.info("edge agent for factory %s serving its control plane on %s%s", cfg.factory_id, cfg.listen,
+             f", Inspection on {cfg.inspection_listen}" if inspection else "")
+    return Agent(server, trainer, follower, inspection)
+
+
+def inspection_server(cfg: AgentConfig, servicer: Any) -> grpc.Server:
+    """Inspection on its own server and port: a station that may classify images never reaches Train or SecAgg.
+
+    With ``--inspection-token`` every call must carry it; with a certificate the port speaks only TLS. Off loopback
+    both are required (`AgentConfig` refuses to start otherwise)."""
+    from common.grpc_auth import TokenAuth
+
+    interceptors = [TokenAuth(cfg.inspection_token, "factory's Inspection service", "--inspection-token")] if cfg.inspection_token else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS, interceptors=interceptors)
+    edge_pb2_grpc.add_InspectionServicer_to_server(servicer, server)
+    if cfg.inspection_tls_cert:
+        credentials = grpc.ssl_server_credentials([(Path(cfg.inspection_tls_key).read_bytes(), Path(cfg.inspection_tls_cert).read_bytes())])
+        port = server.add_secure_port(cfg.inspection_listen, credentials)
+    else:
+        port = server.add_insecure_port(cfg.inspection_listen)
+    if port == 0 and not cfg.inspection_listen.startswith("unix:"):
+        raise RuntimeError(f"edge agent could not serve Inspection on {cfg.inspection_listen}")
+    return server

@@ -19,7 +19,8 @@ MAX_RESTART_DELAY = 8  # seconds between SuperNode restarts, at most
 def agent_options(f):  # type: ignore[no-untyped-def]
     options = [
         click.option("--factory-id", required=True, help="This factory's name, as the server and dashboard show it."),
-        click.option("--agent-listen", default="127.0.0.1:50061", help="Where the edge agent serves gRPC (host:port or unix:/path)."),
+        click.option("--agent-listen", default="127.0.0.1:50061", help="Where the agent serves its training control plane (Train, SecAgg, "
+                     "Evaluate, Proxy) to the SuperNode: a loopback host:port or unix:/path, never the network."),
         click.option("--data", default="synthetic", help="'synthetic' or an image folder with one sub-folder per class (any format Pillow reads)."),
         click.option("--classes", default=DEFAULT_CLASSES, help="Comma-separated class names this factory's folders may be named after "
                      "(the federation's class list); an unknown folder name is refused at start."),
@@ -55,6 +56,12 @@ def agent_options(f):  # type: ignore[no-untyped-def]
                      "by it are served, never an older release without a signed rollback."),
         click.option("--registry-token", default="", envvar="FEDFORGE_REGISTRY_TOKEN", help="The registry's client token "
                      "(the central site's registry/keys/registry.token)."),
+        click.option("--inspection-listen", default="127.0.0.1:50062", help="Where inspection stations call Inspection (with --registry), "
+                     "apart from the control plane; off loopback only with --inspection-token and TLS."),
+        click.option("--inspection-token", default="", envvar="FEDFORGE_INSPECTION_TOKEN", help="Token every Inspection call must carry "
+                     "('authorization: Bearer <token>'); required off loopback."),
+        click.option("--inspection-tls-cert", default="", help="PEM certificate for Inspection over TLS (required off loopback)."),
+        click.option("--inspection-tls-key", default="", help="PEM private key of --inspection-tls-cert."),
         click.option("--state-dir", default="fedforge-factory", type=click.Path(file_okay=False), help="Durable factory state (privacy ledger)."),
         click.option("--dp/--no-dp", default=False, help="Train with DP-SGD (Opacus) under this factory's privacy budget."),
         click.option("--dp-epsilon", default=8.0, type=float, help="Privacy budget epsilon_max over all rounds and runs."),
@@ -102,21 +109,25 @@ def agent(**kw: object) -> None:
         running.stop()
 
 
-@click.command()
-@agent_options
-@click.option("--superlink", default="127.0.0.1:8000", help="The central SuperLink's address.")
-@click.option("--supernode-port", default=9094, type=int, help="Local port of this SuperNode's runtime API (one per host).")
-@click.option("--workdir", default="fedforge-factory", type=click.Path(file_okay=False), help="Logs of the SuperNode.")
-@click.option("--insecure/--tls", default=True, help="Plain HTTP to the SuperLink (loopback demos only) or TLS.")
-@click.option("--root-certificates", default=None, type=click.Path(dir_okay=False, exists=True), help="The federation's CA (ca.pem) for TLS.")
-@click.option("--auth-key", default=None, type=click.Path(dir_okay=False, exists=True), help="This factory's registered authentication key.")
-def client(superlink: str, supernode_port: int, workdir: str, insecure: bool, root_certificates: str | None, auth_key: str | None, **kw: object) -> None:
-    """Run one factory: the warm edge agent plus a Flower SuperNode that forwards to it."""
-    cfg = _agent_config(kw)
-    if cfg.registry and not insecure and not cfg.registry_ca:
-        cfg = replace(cfg, registry_ca=str(Path(root_certificates).resolve()) if root_certificates else "")
-    running = _start_agent(cfg)
-    node_config = f"factory-id='{cfg.factory_id}' agent-address='{cfg.listen}'"
+def supernode_options(f):  # type: ignore[no-untyped-def]
+    options = [
+        click.option("--superlink", default="127.0.0.1:8000", help="The central SuperLink's address."),
+        click.option("--supernode-port", default=9094, type=int, help="Local port of this SuperNode's runtime API (one per host)."),
+        click.option("--workdir", default="fedforge-factory", type=click.Path(file_okay=False), help="Logs of the SuperNode."),
+        click.option("--insecure/--tls", default=True, help="Plain HTTP to the SuperLink (loopback demos only) or TLS."),
+        click.option("--root-certificates", default=None, type=click.Path(dir_okay=False, exists=True), help="The federation's CA (ca.pem) for TLS."),
+        click.option("--auth-key", default=None, type=click.Path(dir_okay=False, exists=True), help="This factory's registered authentication key."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def run_supernode(factory_id: str, agent_address: str, superlink: str, supernode_port: int, workdir: str, insecure: bool,
+                  root_certificates: str | None, auth_key: str | None) -> None:
+    """Flower's SuperNode (with FedForge's patches, `client.supernode`) forwarding to the agent at ``agent_address``,
+    restarted whenever it exits, until Ctrl-C."""
+    node_config = f"factory-id='{factory_id}' agent-address='{agent_address}'"
     cmd = [*supernode_command(), "--superlink", superlink, "--port", str(supernode_port), "--node-config", node_config]
     if insecure:
         cmd.append("--insecure")
@@ -130,10 +141,36 @@ def client(superlink: str, supernode_port: int, workdir: str, insecure: bool, ro
         try:
             # After a crash the SuperLink refuses the same (authenticated) node until its heartbeat lapses
             # (up to 60 s in Flower 1.42), so keep retrying every few seconds rather than backing off further.
-            keep_running(procs, "supernode", cmd, f"factory {cfg.factory_id}: SuperNode", env=supernode_env(), max_delay=MAX_RESTART_DELAY,
+            keep_running(procs, "supernode", cmd, f"factory {factory_id}: SuperNode", env=supernode_env(), max_delay=MAX_RESTART_DELAY,
                          stable_seconds=STABLE_SECONDS,
-                         on_start=lambda proc: log.info("factory %s: SuperNode pid %d dialling %s", cfg.factory_id, proc.pid, superlink))
+                         on_start=lambda proc: log.info("factory %s: SuperNode pid %d dialling %s", factory_id, proc.pid, superlink))
         except KeyboardInterrupt:
-            log.info("factory %s: stopping", cfg.factory_id)
-        finally:
-            running.stop()
+            log.info("factory %s: stopping", factory_id)
+
+
+@click.command()
+@agent_options
+@supernode_options
+def client(superlink: str, supernode_port: int, workdir: str, insecure: bool, root_certificates: str | None, auth_key: str | None, **kw: object) -> None:
+    """Run one factory: the warm edge agent plus a Flower SuperNode that forwards to it."""
+    cfg = _agent_config(kw)
+    if cfg.registry and not insecure and not cfg.registry_ca:
+        cfg = replace(cfg, registry_ca=str(Path(root_certificates).resolve()) if root_certificates else "")
+    running = _start_agent(cfg)
+    try:
+        run_supernode(cfg.factory_id, cfg.listen, superlink, supernode_port, workdir, insecure, root_certificates, auth_key)
+    finally:
+        running.stop()
+
+
+@click.command()
+@click.option("--factory-id", required=True, help="This factory's name, as the server and dashboard show it.")
+@click.option("--agent-address", default="127.0.0.1:50061", help="The factory's agent (its --agent-listen): a loopback host:port or "
+              "unix:/path to a socket shared with the agent's user or container.")
+@supernode_options
+def supernode(factory_id: str, agent_address: str, **kw: object) -> None:
+    """Run only the factory's Flower SuperNode, forwarding every message to an agent that runs apart from it.
+
+    The agent holds the images, the state and the policy; run it as another OS user, or in another container, with
+    ``fedforge agent --agent-listen unix:/path`` and give this command only that socket (docs/operations.md)."""
+    run_supernode(factory_id, agent_address, **kw)  # type: ignore[arg-type]

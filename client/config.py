@@ -17,7 +17,7 @@ DEFAULT_CLASSES = ",".join(CLASSES)
 @dataclass(frozen=True)
 class AgentConfig:
     factory_id: str
-    listen: str = "127.0.0.1:50061"  # host:port or unix:/path
+    listen: str = "127.0.0.1:50061"  # the training control plane: loopback host:port or unix:/path, never the network
     data: str = "synthetic"  # "synthetic" or the path of an image folder (one sub-folder per class)
     classes: str = DEFAULT_CLASSES  # the class names this factory's folders may have (comma-separated)
     class_alias: tuple[str, ...] = ()  # "FOLDER=CLASS" renames, e.g. "good=ok"
@@ -43,6 +43,11 @@ class AgentConfig:
     release_public_key: str = ""  # the federation's pinned release.pub (what may be served: signed approvals)
     registry_token: str = ""  # presented to the registry on every call (the central site's registry/keys/registry.token)
     registry_ca: str = ""  # CA certificate for TLS to the registry (empty: plain gRPC on a trusted network)
+    # Inspection (what inspection stations call), served apart from the control plane; off loopback only with TLS and a token
+    inspection_listen: str = "127.0.0.1:50062"
+    inspection_token: str = ""
+    inspection_tls_cert: str = ""
+    inspection_tls_key: str = ""
     # Differential privacy: factory-side settings the server cannot change.
     dp: bool = False
     dp_epsilon: float = 8.0
@@ -93,6 +98,7 @@ class AgentConfig:
         if self.registry and not (self.registry_public_key and self.release_public_key and self.registry_token):
             raise ValueError("--registry needs --registry-public-key (signing.pub), --release-public-key (release.pub) and --registry-token: "
                              "models are only loaded after verification, and only served with a signed approval")
+        self._check_listeners()
         if self.architecture:
             from common.models import ARCHITECTURES
 
@@ -100,3 +106,22 @@ class AgentConfig:
                 raise ValueError(f"--architecture {self.architecture!r} is not one of {sorted(ARCHITECTURES)}")
         if not 0.0 <= self.val_fraction < 0.9:
             raise ValueError(f"val_fraction must be in [0, 0.9), got {self.val_fraction}")
+
+    def _check_listeners(self) -> None:
+        """The control plane (Train, SecAgg, Evaluate, Proxy) answers only on this host; Inspection faces the network
+        only with TLS and a token."""
+        from common.grpc_auth import faces_network
+
+        if faces_network(self.listen):
+            raise ValueError(f"--agent-listen {self.listen}: the agent's training control plane must not face the network; use "
+                             "127.0.0.1:PORT, or unix:/path in a directory the SuperNode's user (or container) shares")
+        if self.inspection_listen == self.listen:
+            raise ValueError(f"--inspection-listen {self.inspection_listen} is the control plane's address; Inspection is served apart from it")
+        if bool(self.inspection_tls_cert) != bool(self.inspection_tls_key):
+            raise ValueError("--inspection-tls-cert and --inspection-tls-key go together")
+        if self.registry and faces_network(self.inspection_listen):
+            missing = [flag for flag, value in (("--inspection-token (or FEDFORGE_INSPECTION_TOKEN)", self.inspection_token),
+                                                ("--inspection-tls-cert and --inspection-tls-key", self.inspection_tls_cert)) if not value]
+            if missing:
+                raise ValueError(f"--inspection-listen {self.inspection_listen} faces the network: Inspection there needs {' and '.join(missing)}")
+

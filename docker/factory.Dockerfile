@@ -1,4 +1,6 @@
-# FedForge factory: Flower SuperNode plus the warm edge agent (data, DDP/FSDP workers, privacy ledger).
+# FedForge factory: the warm edge agent (data, DDP/FSDP workers, privacy ledger, Inspection) and Flower's SuperNode.
+# compose.yaml runs them as two containers of this image (`fedforge agent` with the images and state, `fedforge
+# supernode` with only the agent's socket); `fedforge client` runs both in one.
 #   CPU:  docker build -f docker/factory.Dockerfile -t fedforge-factory .
 #   CUDA: docker build -f docker/factory.Dockerfile -t fedforge-factory:cuda \
 #           --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
@@ -28,7 +30,7 @@ RUN python -m pip install --no-cache-dir --no-index --find-links /wheels fedforg
 ENV FLWR_TELEMETRY_ENABLED=0 FEDFORGE_TORCH_THREADS=1 PYTHONUNBUFFERED=1
 USER fedforge
 WORKDIR /state
-EXPOSE 50061
+EXPOSE 50062
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
   CMD python -c "import grpc; from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc; \
 edge_pb2_grpc.EdgeAgentStub(grpc.insecure_channel('127.0.0.1:50061')).Health(edge_pb2.HealthRequest(), timeout=3)"

@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from common.grpc_auth import is_loopback
 from common.procs import ProcessSet, keep_running, wait_for_port
 from server import launch
 
@@ -59,7 +60,7 @@ def server(workdir: str, host: str, port: int, local_port: int, fleet_proxy: str
             tls = launch.tls_files(certs_dir)
         except FileNotFoundError as exc:
             raise click.UsageError(str(exc)) from None
-    proxied = fleet_proxy == "nginx" or (fleet_proxy == "auto" and not proxy.is_loopback(host))
+    proxied = fleet_proxy == "nginx" or (fleet_proxy == "auto" and not is_loopback(host))
     if proxied and tls is None:
         raise click.UsageError(f"--host {host} faces the network: the Fleet proxy needs --tls --certs-dir (or --host 127.0.0.1 for a local demo)")
     if proxied:

@@ -77,6 +77,3 @@ def nginx_command(conf: Path) -> list[str]:
     """Run nginx in the foreground on ``conf`` (its prefix is the config's directory)."""
     return [nginx_binary(), "-e", "stderr", "-p", str(conf.parent), "-c", str(conf)]
 
-
-def is_loopback(host: str) -> bool:
-    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from common.procs import ProcessSet, free_port, stop_process
@@ -65,6 +66,34 @@ def test_compose_file_validates():
     assert all(config["services"][s]["network_mode"] == "service:central" for s in ("register", "run"))
     assert all("--auth-key" in config["services"][f]["command"] for f in ("factory-a", "factory-b", "factory-c"))
     assert {"central-data", "factory-a-state", "certs"} <= set(config["volumes"])
+    # the agent (images, state, policy) and the SuperNode (whatever ClientApp the federation sends) are separate containers
+    # that share only the agent's socket; the agent has no network and its control plane is that socket
+    for f in ("a", "b", "c"):
+        agent, node = config["services"][f"factory-{f}-agent"], config["services"][f"factory-{f}"]
+        volumes = {name: [str(v.get("source", v)) if isinstance(v, dict) else str(v).split(":")[0] for v in svc["volumes"]]
+                   for name, svc in (("agent", agent), ("node", node))}
+        assert agent["network_mode"] == "none" and agent["command"][0] == "agent" and node["command"][0] == "supernode"
+        assert agent["command"][agent["command"].index("--agent-listen") + 1] == "unix:/run/fedforge/agent.sock"
+        assert node["command"][node["command"].index("--agent-address") + 1] == "unix:/run/fedforge/agent.sock"
+        assert f"factory-{f}-socket" in volumes["agent"] and f"factory-{f}-socket" in volumes["node"]
+        assert {f"factory-{f}-state", f"factory-{f}-data"} <= set(volumes["agent"]) and not {f"factory-{f}-state", f"factory-{f}-data"} & set(volumes["node"])
+        assert node["depends_on"][f"factory-{f}-agent"]["condition"] == "service_healthy"
+
+
+def _wait_for_agent(address: str, procs: ProcessSet, timeout: float = 180.0) -> None:
+    """The compose healthcheck: the agent answers Health on its address (a Unix socket here)."""
+    from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        while True:
+            assert not procs.dead(), procs.dead()
+            try:
+                edge_pb2_grpc.EdgeAgentStub(channel).Health(edge_pb2.HealthRequest(), timeout=2)
+                return
+            except grpc.RpcError:
+                assert time.monotonic() < deadline, f"no agent serving on {address}"
+                time.sleep(0.2)
 
 
 def test_compose_commands_run_as_local_processes(tmp_path, no_leftover_processes):
@@ -88,9 +117,10 @@ def test_compose_commands_run_as_local_processes(tmp_path, no_leftover_processes
         "DASHBOARD_PORT": str(free_port()), "REGISTER_HOME": str(tmp_path / "register"), "RUN_HOME": str(tmp_path / "run"), "ROUNDS": "2",
         "ROUND_TIMEOUT": "30.0",
     }
-    for f in ("A", "B", "C"):
-        env |= {f"FACTORY_{f}_AGENT": f"127.0.0.1:{free_port()}", f"FACTORY_{f}_SUPERNODE_PORT": str(free_port()),
-                f"FACTORY_{f}_STATE": str(tmp_path / f"factory-{f.lower()}")}
+    for f in ("A", "B", "C"):  # each factory's agent and SuperNode share only the agent's socket, as their containers do
+        (tmp_path / f"socket-{f.lower()}").mkdir()
+        env |= {f"FACTORY_{f}_AGENT": f"unix:{tmp_path / f'socket-{f.lower()}' / 'agent.sock'}", f"FACTORY_{f}_SUPERNODE_PORT": str(free_port()),
+                f"FACTORY_{f}_STATE": str(tmp_path / f"state-{f.lower()}"), f"FACTORY_{f}_NODE": str(tmp_path / f"factory-{f.lower()}")}
     services = _compose_config(env)["services"]
 
     def command(name: str) -> tuple[list[str], dict[str, str]]:
@@ -123,6 +153,10 @@ def test_compose_commands_run_as_local_processes(tmp_path, no_leftover_processes
         wait_for_port("127.0.0.1", int(env["SUPERLINK_PORT"]), 30, nginx)
         once("register")
         for f in ("a", "b", "c"):
+            cmd, svc_env = command(f"factory-{f}-agent")
+            procs.start(f"factory-{f}-agent", cmd, env=svc_env)
+        for f in ("a", "b", "c"):  # compose starts a SuperNode once its agent is healthy
+            _wait_for_agent(env[f"FACTORY_{f.upper()}_AGENT"], procs)
             cmd, svc_env = command(f"factory-{f}")
             procs.start(f"factory-{f}", cmd, env=svc_env)
         run_id = "run-" + once("run").strip().splitlines()[-1]

@@ -20,6 +20,7 @@ from common.data import datasets
 from common.models import build_model
 from common.procs import free_port
 from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
+from server.certs import create_ca, create_server_cert
 from server.registry.grpc_service import serve_registry
 from server.registry.service import NewVersion
 
@@ -41,21 +42,34 @@ def _wait(predicate, timeout=30.0):
         time.sleep(0.05)
 
 
+STATION_TOKEN = "station-token"
+
+
 @pytest.fixture
 def site(registry_factory, tmp_path):
+    """A registry and one factory's agent following it, with Inspection as a station reaches it off loopback: its own
+    port, TLS and a token (bound to 127.0.0.1 here)."""
     registry = registry_factory()
     reg_address = f"127.0.0.1:{free_port()}"
     reg_server, stop = serve_registry(registry, reg_address, "inspection-token")
-    agent_address = f"127.0.0.1:{free_port()}"
+    ca, _ = create_ca(tmp_path / "pki")
+    cert, key = create_server_cert(tmp_path / "pki", ["line-3.factory.example"])
+    agent_address, inspection_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     agent = serve(AgentConfig(factory_id="line-3", listen=agent_address, train_size=32, registry=reg_address, registry_token="inspection-token",
                               registry_public_key=str(registry_factory.public_key), release_public_key=str(registry_factory.release_public_key),
-                              state_dir=str(tmp_path / "factory")))
-    channel = grpc.insecure_channel(agent_address)
+                              state_dir=str(tmp_path / "factory"), inspection_listen=inspection_address, inspection_token=STATION_TOKEN,
+                              inspection_tls_cert=str(cert), inspection_tls_key=str(key)))
+    agent.addresses = {"control": agent_address, "inspection": inspection_address, "ca": ca.read_bytes()}
+    channel = grpc.secure_channel(inspection_address, _station_credentials(ca.read_bytes(), STATION_TOKEN))
     yield registry, edge_pb2_grpc.InspectionStub(channel), agent
     channel.close()
     agent.stop(grace=None)
     stop.set()
     reg_server.stop(grace=None).wait()
+
+
+def _station_credentials(ca: bytes, token: str) -> grpc.ChannelCredentials:
+    return grpc.composite_channel_credentials(grpc.ssl_channel_credentials(ca), grpc.access_token_call_credentials(token))
 
 
 def _add(registry, seed: int, round_: int = 1):
@@ -145,3 +159,43 @@ def test_bad_images_are_rejected(site):
     with pytest.raises(grpc.RpcError) as err:
         stub.Inspect(edge_pb2.InspectRequest(image=b"x" * (9 << 20)))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit" in err.value.details()
+
+
+def test_inspection_is_served_apart_from_the_control_plane_with_tls_and_a_token(site):
+    """A station reaches Inspection only, only over TLS, only with the token; the control plane answers no Inspection,
+    and an agent refuses to put the control plane, or a token-less plaintext Inspection, on the network."""
+    registry, stub, agent = site
+    images = datasets.test_dataset(datasets.SyntheticSpec(seed=1), 6).images
+    version = _add(registry, 1)
+    registry.approve(version.id, actor="qa")
+    _wait(lambda: agent.follower.serving.version == version.id)
+    assert stub.Inspect(edge_pb2.InspectRequest(image=_png(images[0]))).model_version == version.id
+
+    ca, inspection, control = agent.addresses["ca"], agent.addresses["inspection"], agent.addresses["control"]
+    with grpc.secure_channel(inspection, _station_credentials(ca, STATION_TOKEN)) as channel:  # Train, SecAgg...: not on this port
+        with pytest.raises(grpc.RpcError) as err:
+            edge_pb2_grpc.EdgeAgentStub(channel).Health(edge_pb2.HealthRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    for token in ("", "wrong-token"):
+        credentials = _station_credentials(ca, token) if token else grpc.ssl_channel_credentials(ca)
+        with grpc.secure_channel(inspection, credentials) as channel, pytest.raises(grpc.RpcError) as err:
+            edge_pb2_grpc.InspectionStub(channel).Inspect(edge_pb2.InspectRequest(image=_png(images[0])), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, token
+    with grpc.insecure_channel(inspection) as channel, pytest.raises(grpc.RpcError) as err:  # plaintext to a TLS port
+        edge_pb2_grpc.InspectionStub(channel).Inspect(edge_pb2.InspectRequest(image=_png(images[0])), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    with grpc.insecure_channel(control) as channel:  # the control plane serves the SuperNode, not stations
+        assert edge_pb2_grpc.EdgeAgentStub(channel).Health(edge_pb2.HealthRequest(), timeout=10).factory_id == "line-3"
+        with pytest.raises(grpc.RpcError) as err:
+            edge_pb2_grpc.InspectionStub(channel).Inspect(edge_pb2.InspectRequest(image=_png(images[0])), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+    following = {"factory_id": "line-4", "registry": "127.0.0.1:1", "registry_token": "t", "registry_public_key": "s.pub",
+                 "release_public_key": "r.pub"}
+    with pytest.raises(ValueError, match="--agent-listen 0.0.0.0:50061: the agent's training control plane must not face the network"):
+        AgentConfig(factory_id="line-4", listen="0.0.0.0:50061")
+    with pytest.raises(ValueError, match="needs --inspection-token .* and --inspection-tls-cert and --inspection-tls-key"):
+        AgentConfig(**following, inspection_listen="0.0.0.0:50062")
+    with pytest.raises(ValueError, match="needs --inspection-tls-cert"):
+        AgentConfig(**following, inspection_listen="10.0.0.7:50062", inspection_token="x")
+    assert AgentConfig(factory_id="line-4", listen="unix:/run/fedforge/agent.sock").listen.startswith("unix:")

@@ -6,7 +6,6 @@ constant time before any handler runs, and off loopback the service speaks only 
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import re
@@ -19,8 +18,8 @@ from typing import Any
 
 import grpc
 
+from common.grpc_auth import TokenAuth, is_loopback
 from common.rpc.fedforge.v1 import registry_pb2, registry_pb2_grpc
-from server.fleet_proxy import is_loopback
 from server.registry.schema import Version
 from server.registry.service import Registry
 
@@ -38,28 +37,6 @@ def info(v: Version) -> registry_pb2.VersionInfo:
         id=v.id, run_id=v.run_id, server_round=v.server_round, parent_id=v.parent_id or "", kind=v.kind, architecture=v.architecture,
         status=v.status, sha256=v.sha256, size_bytes=v.size_bytes, created_at=v.created_at.isoformat(), secure_aggregation=v.secure_aggregation,
     )
-
-
-class TokenAuth(grpc.ServerInterceptor):
-    """Refuse every call without ``authorization: Bearer <token>`` (UNAUTHENTICATED), before its handler runs."""
-
-    def __init__(self, token: str) -> None:
-        if not token:
-            raise ValueError("the model registry requires a client token (--registry-token or FEDFORGE_REGISTRY_TOKEN)")
-        self.expected = f"Bearer {token}".encode()
-
-    def intercept_service(self, continuation: Any, details: Any) -> Any:
-        supplied = dict(details.invocation_metadata or ()).get("authorization", "")
-        handler = continuation(details)
-        if handler is None or hmac.compare_digest(str(supplied).encode(), self.expected):
-            return handler
-
-        def deny(_request: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "the model registry requires the registry token ('authorization: Bearer <token>')")
-
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
 
 
 class ModelRegistryServicer(registry_pb2_grpc.ModelRegistryServicer):
@@ -135,7 +112,7 @@ def serve_registry(registry: Registry, address: str, token: str, credentials: gr
         raise ValueError(f"the model registry on {address} faces the network: serve it with TLS (fedforge server --tls --certs-dir DIR) "
                          "or listen on 127.0.0.1")
     stop = threading.Event()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), interceptors=[TokenAuth(token)],
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), interceptors=[TokenAuth(token, "model registry", "--registry-token or FEDFORGE_REGISTRY_TOKEN")],
                          options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
     registry_pb2_grpc.add_ModelRegistryServicer_to_server(ModelRegistryServicer(registry, stop), server)
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)

@@ -56,7 +56,8 @@ class Line:
         self.agent = None
 
     def start_agent(self):
-        self.agent = serve(AgentConfig(factory_id="line-7", listen=f"127.0.0.1:{free_port()}", train_size=32, registry=self.address,
+        self.agent = serve(AgentConfig(factory_id="line-7", listen=f"127.0.0.1:{free_port()}", inspection_listen=f"127.0.0.1:{free_port()}",
+                                       train_size=32, registry=self.address,
                                        registry_token=TOKEN, registry_public_key=str(self.keys / "signing.pub"),
                                        release_public_key=str(self.keys / "release.pub"), state_dir=str(self.root / "factory")))
         return self.agent
