@@ -71,9 +71,9 @@ def inspect(tmp: Path, requests: int) -> dict[str, float]:
     v = registry.add_version(NewVersion(run_id="bench", server_round=1, parent_id=None, kind="fedavg", architecture="cnn-small",
                                         weights=weights, metrics={}, participants=[]))
     registry.approve(v.id, actor="bench")
-    reg_address, agent_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    reg_address, agent_address, inspection_address = (f"127.0.0.1:{free_port()}" for _ in range(3))
     reg_server, stop = serve_registry(registry, reg_address, TOKEN)
-    agent = serve(AgentConfig(factory_id="bench", listen=agent_address, train_size=16, registry=reg_address,
+    agent = serve(AgentConfig(factory_id="bench", listen=agent_address, inspection_listen=inspection_address, train_size=16, registry=reg_address,
                               registry_public_key=str(tmp / "registry" / "keys" / "signing.pub"), registry_token=TOKEN,
                               release_public_key=str(tmp / "registry" / "keys" / "release.pub"), state_dir=str(tmp / "agent")))
     try:
@@ -84,7 +84,7 @@ def inspect(tmp: Path, requests: int) -> dict[str, float]:
             buf = io.BytesIO()
             Image.fromarray((img[0] * 255).astype(np.uint8)).save(buf, format="PNG")
             images.append(buf.getvalue())
-        stub = edge_pb2_grpc.InspectionStub(grpc.insecure_channel(agent_address))
+        stub = edge_pb2_grpc.InspectionStub(grpc.insecure_channel(inspection_address))  # loopback: no TLS or token needed
         reqs = [edge_pb2.InspectRequest(image=images[i % len(images)], request_id=str(i)) for i in range(requests)]
         for r in reqs[:20]:
             stub.Inspect(r)  # warm-up
