@@ -78,3 +78,21 @@ def test_nan_model_and_bad_config_are_refused(agent):
     with pytest.raises(grpc.RpcError) as err:
         agent.Train(edge_pb2.TrainRequest(weights=to_tensors(_global()), config=_config(architecture="resnet-9000")))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "architecture" in err.value.details()
+
+
+def test_every_command_has_help_and_the_agent_refuses_a_control_plane_on_the_network():
+    """`fedforge <command> --help` for every installed command (`supernode` included); `fedforge agent` with a network-facing
+    --agent-listen exits 2 naming it before anything starts."""
+    import click
+    from click.testing import CliRunner
+
+    from common.cli import cli
+
+    runner = CliRunner()
+    names = cli.list_commands(click.Context(cli))
+    assert {"agent", "client", "supernode", "server", "demo"} <= set(names)
+    for name in names:
+        result = runner.invoke(cli, [name, "--help"])
+        assert result.exit_code == 0 and "Usage:" in result.output, (name, result.output)
+    result = runner.invoke(cli, ["agent", "--factory-id", "plant-a", "--agent-listen", "0.0.0.0:50061"])
+    assert result.exit_code == 2 and "--agent-listen 0.0.0.0:50061" in result.output and "must not face the network" in result.output
