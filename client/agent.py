@@ -321,11 +321,14 @@ def serve(cfg: AgentConfig) -> Agent:
                                     state_path=Path(cfg.state_dir) / "releases.json")
         servicer.after_round = follower.reconsider
         servicer.serving_description = lambda: f"{serving.current().label}: {serving.description}" if serving.version else ""
-    if cfg.listen.startswith("unix:"):  # the socket's directory is what the SuperNode's user or container is given
-        Path(cfg.listen.removeprefix("unix:")).parent.mkdir(parents=True, exist_ok=True)
-    if server.add_insecure_port(cfg.listen) == 0 and not cfg.listen.startswith("unix:"):
+    socket_path = Path(cfg.listen.removeprefix("unix:")) if cfg.listen.startswith("unix:") else None
+    if socket_path is not None:  # the socket's directory is what the SuperNode's user or container is given
+        socket_path.parent.mkdir(mode=0o770, parents=True, exist_ok=True)
+    if server.add_insecure_port(cfg.listen) == 0 and socket_path is None:
         raise RuntimeError(f"edge agent could not listen on {cfg.listen}")
     server.start()
+    if socket_path is not None:  # the agent's user and group only (the SuperNode's user is in the group), whatever the umask
+        os.chmod(socket_path, 0o660)
     if inspection is not None:
         inspection.start()
     if follower is not None:

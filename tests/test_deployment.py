@@ -157,6 +157,7 @@ def test_compose_commands_run_as_local_processes(tmp_path, no_leftover_processes
             procs.start(f"factory-{f}-agent", cmd, env=svc_env)
         for f in ("a", "b", "c"):  # compose starts a SuperNode once its agent is healthy
             _wait_for_agent(env[f"FACTORY_{f.upper()}_AGENT"], procs)
+            assert os.stat(env[f"FACTORY_{f.upper()}_AGENT"].removeprefix("unix:")).st_mode & 0o777 == 0o660  # the agent's user and group only
             cmd, svc_env = command(f"factory-{f}")
             procs.start(f"factory-{f}", cmd, env=svc_env)
         run_id = "run-" + once("run").strip().splitlines()[-1]
