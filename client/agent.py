@@ -264,7 +264,7 @@ def personal_chooser(trainer: FactoryTrainer, lock: threading.Lock) -> Any:
     A round leaves a personal model of the global model it received, which nobody has approved; when that is not
     the approved version, the chooser makes the personal model of the approved weights (same training settings,
     about a second on cached features), once per approved version."""
-    from client.personal import global_clearly_better, weights_digest
+    from client.personal import global_clearly_better, hit_rate, weights_digest
     from client.trainer import model_for_weights
     from common.models import weights_of
 
@@ -288,7 +288,7 @@ def personal_chooser(trainer: FactoryTrainer, lock: threading.Lock) -> Any:
                 weights = made[key]
             g_hits = trainer.held_out_hits(architecture, approved, request)
             p_hits = trainer.held_out_hits(architecture, weights, request)
-        g, p = (float(h.mean()) if len(h) else 0.0 for h in (g_hits, p_hits))
+        g, p = hit_rate(g_hits), hit_rate(p_hits)
         if not global_clearly_better(g_hits, p_hits):
             return (f"personal@{version_id}", model_for_weights(weights, architecture, request),
                     (f"this factory's personal model of {version_id[:8]} scores {p:.4f} on its {len(p_hits)} held-out images, "

@@ -124,4 +124,3 @@ class AgentConfig:
                                                 ("--inspection-tls-cert and --inspection-tls-key", self.inspection_tls_cert)) if not value]
             if missing:
                 raise ValueError(f"--inspection-listen {self.inspection_listen} faces the network: Inspection there needs {' and '.join(missing)}")
-

@@ -89,6 +89,11 @@ def weights_digest(weights: Mapping[str, np.ndarray]) -> str:
     return digest.hexdigest()
 
 
+def hit_rate(hits: np.ndarray) -> float:
+    """Accuracy from per-image hits (0 when there are none)."""
+    return float(hits.mean()) if len(hits) else 0.0
+
+
 CLEARLY_BETTER_LEVEL = 0.05
 
 

@@ -32,7 +32,7 @@ from client.config import AgentConfig
 from client.data import DataRequest, FactoryData, fit_reason, open_source
 from client.dp import DPPlan, check_dp_compatible, sample_rate, steps_per_epoch, train_private
 from client.parallel import apply_activation_checkpointing
-from client.personal import PersonalModels, weights_digest
+from client.personal import PersonalModels, hit_rate, weights_digest
 from client.privacy import PrivacyLedger, noise_for_budget
 from client.workers import Job, WorkerGroup
 from common.data import datasets
@@ -333,8 +333,7 @@ class FactoryTrainer:
 
     def score(self, architecture: str, weights: OrderedDict[str, np.ndarray], request: DataRequest) -> float:
         """Accuracy of ``weights`` on this factory's held-out split."""
-        hits = self.held_out_hits(architecture, weights, request)
-        return float(hits.mean()) if len(hits) else 0.0
+        return hit_rate(self.held_out_hits(architecture, weights, request))
 
     def held_out_hits(self, architecture: str, weights: OrderedDict[str, np.ndarray], request: DataRequest) -> np.ndarray:
         """Whether ``weights`` classifies each held-out image right, in a fixed order (personalisation's paired comparison)."""

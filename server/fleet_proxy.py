@@ -76,4 +76,3 @@ def write_config(run_dir: Path, listen: str, superlink_local: str, tls: Mapping[
 def nginx_command(conf: Path) -> list[str]:
     """Run nginx in the foreground on ``conf`` (its prefix is the config's directory)."""
     return [nginx_binary(), "-e", "stderr", "-p", str(conf.parent), "-c", str(conf)]
-

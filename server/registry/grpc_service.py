@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from common.grpc_auth import TokenAuth, is_loopback
+from common.grpc_auth import TokenAuth, host_of, is_loopback
 from common.rpc.fedforge.v1 import registry_pb2, registry_pb2_grpc
 from server.registry.schema import Version
 from server.registry.service import Registry
@@ -107,8 +107,7 @@ def registry_token(path: Path) -> str:
 
 def serve_registry(registry: Registry, address: str, token: str, credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, threading.Event]:
     """Serve the registry on ``address`` for callers holding ``token``; plaintext only on loopback."""
-    host = address.rpartition(":")[0].strip("[]")
-    if credentials is None and not is_loopback(host):
+    if credentials is None and not is_loopback(host_of(address)):
         raise ValueError(f"the model registry on {address} faces the network: serve it with TLS (fedforge server --tls --certs-dir DIR) "
                          "or listen on 127.0.0.1")
     stop = threading.Event()
