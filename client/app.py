@@ -20,7 +20,7 @@ from google.protobuf import struct_pb2
 
 from client import simulation
 from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
-from common.secagg.messages import NEXT_RECORD, RECORD, STAGES
+from common.secagg.messages import RECORD, STAGES, split_next, with_next
 from common.secagg.wire import from_values, to_values
 from common.tensors import from_tensor, from_tensors, to_tensor, to_tensors
 
@@ -107,15 +107,21 @@ def _secagg(context: Context, stage: str, fields: dict[str, Any], server_round: 
 _AHEAD_STAGES = ("advertise", "share")
 
 
-def _next_session_stage(msg: Message, context: Context) -> dict[str, ConfigRecord]:
-    """Run the next round's key stage that rides on this message, if any (the server pipelines key exchange).
+def _secagg_fields(msg: Message) -> dict[str, Any]:
+    """This phase's secure-aggregation fields, without the next session's stage that may ride along."""
+    return split_next(dict(msg.content[RECORD]))[0] if RECORD in msg.content else {}
+
+
+def _next_session_stage(msg: Message, context: Context) -> dict[str, Any]:
+    """Run the next round's key stage that rides on this message, if any (the server pipelines key exchange);
+    its answer, to ride on the reply's ``info`` record.
 
     A failure here only means this factory is not in the next round's prepared session (the server then
     exchanges keys afresh), so it is logged and never fails the message it rode on.
     """
-    if NEXT_RECORD not in msg.content:
+    fields = split_next(dict(msg.content[RECORD]))[1] if RECORD in msg.content else {}
+    if not fields:
         return {}
-    fields = dict(msg.content[NEXT_RECORD])
     stage = str(fields.pop("stage", ""))
     if stage not in _AHEAD_STAGES:
         log.warning("ignored a next-round secure-aggregation stage %r (expected one of %s)", stage, _AHEAD_STAGES)
@@ -125,7 +131,7 @@ def _next_session_stage(msg: Message, context: Context) -> dict[str, ConfigRecor
     except RuntimeError as exc:  # AgentUnavailable, or the in-process servicer's refusal
         log.warning("next round's secure-aggregation %s failed; this factory joins the next round's own key exchange: %s", stage, exc)
         return {}
-    return {NEXT_RECORD: ConfigRecord(from_values(reply.fields))}
+    return with_next({}, from_values(reply.fields))
 
 
 @app.train()
@@ -133,7 +139,7 @@ def train(msg: Message, context: Context) -> Message:
     ahead = _next_session_stage(msg, context)
     tensors, config, server_round = _request_parts(msg)
     _drop_if_simulated(context, server_round, "train")
-    secagg = to_values(dict(msg.content[RECORD])) if RECORD in msg.content else {}
+    secagg = to_values(_secagg_fields(msg))
     request = edge_pb2.TrainRequest(run_id=str(context.run_id), server_round=server_round, weights=tensors, config=config, secagg=secagg)
     reply = _call(context, "Train", request)
     if reply.HasField("masked"):  # secure round: the masked vector is all that leaves the factory
@@ -142,7 +148,7 @@ def train(msg: Message, context: Context) -> Message:
     else:
         arrays = ArrayRecord(OrderedDict((name, Array(arr)) for name, arr in from_tensors(reply.weights).items()))
         metrics = MetricRecord({**dict(reply.metrics), "num-examples": int(reply.num_examples)})
-    content = RecordDict({"arrays": arrays, "metrics": metrics, "info": ConfigRecord({"factory-id": reply.factory_id}), **ahead})
+    content = RecordDict({"arrays": arrays, "metrics": metrics, "info": ConfigRecord({"factory-id": reply.factory_id, **ahead})})
     if reply.HasField("predictions"):
         content["predictions"] = ArrayRecord(OrderedDict(
             probabilities=Array(from_tensor(reply.predictions)), **{"class-counts": Array(from_tensor(reply.class_counts))}))
@@ -177,11 +183,11 @@ def proxy(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     ahead = _next_session_stage(msg, context)
     tensors, config, server_round = _request_parts(msg)
-    secagg = to_values(dict(msg.content[RECORD])) if RECORD in msg.content else {}
+    secagg = to_values(_secagg_fields(msg))
     request = edge_pb2.EvaluateRequest(run_id=str(context.run_id), server_round=server_round, weights=tensors, config=config, secagg=secagg)
     reply = _call(context, "Evaluate", request)
     content = RecordDict({"metrics": MetricRecord({**dict(reply.metrics), "num-examples": int(reply.num_examples)}),
-                          "info": ConfigRecord({"factory-id": reply.factory_id}), **ahead})
+                          "info": ConfigRecord({"factory-id": reply.factory_id, **ahead})})
     if reply.HasField("masked"):
         content["arrays"] = ArrayRecord(OrderedDict(masked=Array(from_tensor(reply.masked))))
     elif reply.HasField("confusion"):
@@ -191,9 +197,9 @@ def evaluate(msg: Message, context: Context) -> Message:
 
 def _secagg_stage(stage: str):  # type: ignore[no-untyped-def]
     def handle(msg: Message, context: Context) -> Message:
-        reply = _secagg(context, stage, dict(msg.content[RECORD]), _round_of(msg))
-        content = RecordDict({RECORD: ConfigRecord(from_values(reply.fields)), "info": ConfigRecord({"factory-id": reply.factory_id}),
-                              **_next_session_stage(msg, context)})
+        reply = _secagg(context, stage, _secagg_fields(msg), _round_of(msg))
+        ahead = _next_session_stage(msg, context)
+        content = RecordDict({RECORD: ConfigRecord(from_values(reply.fields)), "info": ConfigRecord({"factory-id": reply.factory_id, **ahead})})
         return Message(content=content, reply_to=msg)
     return handle
 

@@ -25,7 +25,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from common.distill import ensemble_of
 from common.secagg.layout import SecureLayout, Sums, apply_group_sum
-from common.secagg.messages import NEXT_RECORD, RECORD, MaskedInput, MessageError, Shares, Unmask
+from common.secagg.messages import RECORD, MaskedInput, MessageError, Shares, Unmask, split_next, with_next
 from common.secagg.primitives import session_id
 from common.tensors import check_like
 from server.config import FederationConfig
@@ -126,10 +126,11 @@ class SecureRounds:
             def masked_message(node: int) -> RecordDict:
                 record = content(node)
                 boxes = keyed.routed[slot_of[node]]
-                record[RECORD] = ConfigRecord(MaskedInput(session, secure.u2, float(cfg.update_clip), float(cfg.secagg_scale), int(cfg.max_weight),
-                                                          list(boxes), list(boxes.values()), layout).to_fields())
+                fields = MaskedInput(session, secure.u2, float(cfg.update_clip), float(cfg.secagg_scale), int(cfg.max_weight),
+                                     list(boxes), list(boxes.values()), layout).to_fields()
                 if ahead is not None:  # the next phase's key advertisement rides on this message
-                    record[NEXT_RECORD] = ConfigRecord({"stage": "advertise", **ahead.advertise_request(node)})
+                    fields = with_next(fields, {"stage": "advertise", **ahead.advertise_request(node)})
+                record[RECORD] = ConfigRecord(fields)
                 return record
 
             present = set(nodes)  # a session member that has disconnected is not sent anything: it counts as dropped
@@ -174,12 +175,11 @@ class SecureRounds:
             def unmask_message(node: int) -> RecordDict:
                 slot = slot_of[node]  # each factory answers only for its own neighbourhood (SecAgg+ on a sparse graph)
                 around = set(secure.graph.get(slot, ())) | {slot}
-                record = RecordDict({RECORD: ConfigRecord(Unmask(session, [s for s in survivors if s in around],
-                                                                 [d for d in dropped if d in around]).to_fields())})
+                fields = Unmask(session, [s for s in survivors if s in around], [d for d in dropped if d in around]).to_fields()
                 share = ahead.share_request(node) if ahead is not None else None
                 if share is not None:  # the next phase's share distribution rides on this message
-                    record[NEXT_RECORD] = ConfigRecord({"stage": "share", **share})
-                return record
+                    fields = with_next(fields, {"stage": "share", **share})
+                return RecordDict({RECORD: ConfigRecord(fields)})
 
             replies = m.exchange([node_of[s] for s in survivors], "query.secagg_unmask", plan.server_round, unmask_message, cfg.secagg_timeout, failures)
             if ahead is not None:
@@ -269,5 +269,6 @@ def _unmask_answers(replies: dict[int, Message], failures: dict[str, str], messe
 
 
 def _ahead_fields(replies: dict[int, Message]) -> dict[int, dict[str, Any]]:
-    """The next session's stage answers that rode on these replies, by node."""
-    return {node: dict(r.content[NEXT_RECORD]) for node, r in replies.items() if NEXT_RECORD in r.content}
+    """The next session's stage answers that rode on these replies (in their ``info`` record), by node."""
+    riding = {node: split_next(dict(r.content["info"]))[1] for node, r in replies.items() if "info" in r.content}
+    return {node: fields for node, fields in riding.items() if fields}

@@ -21,6 +21,7 @@ from client.agent import serve
 from client.config import AgentConfig
 from client.data import DataRequest
 from common.procs import free_port
+from common.secagg.messages import RECORD, split_next, with_next
 from common.training import TrainConfig
 from server.federation import Federation, FederationConfig
 from server.registry.service import Registry
@@ -102,10 +103,12 @@ def agent_node(agent, recorded: dict[str, list], drops: Callable[[Message, str],
 
     def handle(msg: Message) -> Message | None:
         kind = msg.metadata.message_type
-        recorded.setdefault("messages", []).append((int(msg.metadata.group_id), kind, factory_id, "secagg-next" in msg.content))
+        rides = RECORD in msg.content and bool(split_next(dict(msg.content[RECORD]))[1])  # the next session's stage rides along
+        recorded.setdefault("messages", []).append((int(msg.metadata.group_id), kind, factory_id, rides))
         if drops(msg, factory_id):
             return None
         reply = handlers[kind](msg, context)
+        recorded.setdefault("records", []).append((kind, sorted(msg.content.keys()), sorted(reply.content.keys())))
         for record in reply.content.array_records.values():
             recorded.setdefault("server-saw", []).extend((name, arr.numpy()) for name, arr in record.items())
         return reply
@@ -203,6 +206,9 @@ def test_secure_rounds_key_the_next_round_in_flight_and_survive_a_dropout_betwee
     # The next round's stages rode on train and unmask messages of rounds 1 and 2, never of the last round.
     assert all(ahead for r, k, _, ahead in recorded["messages"] if r in (1, 2) and k in ("train", "query.secagg_unmask"))
     assert not any(ahead for r, _, _, ahead in recorded["messages"] if r == 3)
+    # ... inside records the messages have anyway: Flower moves every record as one more request per hop.
+    assert {(k, tuple(sent), tuple(got)) for k, sent, got in recorded["records"] if k in ("train", "query.secagg_unmask")} == {
+        ("train", ("arrays", "config", RECORD), ("arrays", "info", "metrics")), ("query.secagg_unmask", (RECORD,), ("info", RECORD))}
     assert rounds[1].participants == ["factory-0", "factory-1"] and "factory-2" in rounds[1].failures
     assert rounds[2].participants == ["factory-0", "factory-1", "factory-2"]
     # The securely summed example counts are exact only if every mask (factory-2's pairwise ones too) was removed.
@@ -215,12 +221,12 @@ def test_a_refused_next_round_stage_never_fails_the_message_it_rides_on(tmp_path
     agent = serve(AgentConfig(factory_id="factory-0", listen=f"127.0.0.1:{free_port()}", train_size=48, state_dir=str(tmp_path / "factory-0")))
     try:
         context = Context(run_id=1, node_id=0, node_config={"agent-address": agent.trainer.cfg.listen}, state=RecordDict(), run_config={})
-        share = ConfigRecord({"stage": "share", "session": "run-9|2|keyed-ahead", "neighbors": [2], "enc-pks": [b"k" * 32], "mask-pks": [b"m" * 32]})
-        msg = Message(RecordDict({"secagg-next": share}), dst_node_id=1, message_type="query.secagg_unmask")
+        share = {"stage": "share", "session": "run-9|2|keyed-ahead", "neighbors": [2], "enc-pks": [b"k" * 32], "mask-pks": [b"m" * 32]}
+        msg = Message(RecordDict({RECORD: ConfigRecord(with_next({}, share))}), dst_node_id=1, message_type="query.secagg_unmask")
         with caplog.at_level(logging.WARNING, logger="fedforge.client"):
             assert client_app._next_session_stage(msg, context) == {}
         assert "unknown or expired secure-aggregation session" in caplog.text
-        bogus = Message(RecordDict({"secagg-next": ConfigRecord({"stage": "unmask"})}), dst_node_id=1, message_type="train")
+        bogus = Message(RecordDict({RECORD: ConfigRecord(with_next({}, {"stage": "unmask"}))}), dst_node_id=1, message_type="train")
         assert client_app._next_session_stage(bogus, context) == {}  # only key stages may ride ahead
     finally:
         agent.stop(0)

@@ -13,6 +13,10 @@ checks (threshold floor, mask once, unmask subset, ...) act on these objects in 
 | share | `Share` | `Boxes` |
 | masked input (rides on train / evaluate) | `MaskedInput` | the masked vector (an array record) |
 | unmask | `Unmask` | `Shares` |
+
+Pipelining: the next session's advertise (or share) request rides on this phase's masked input (or
+unmask) request under `next/` keys of the same record, and its answer rides under `next/` keys of the
+reply's `info` record (`with_next`, `split_next`).
 """
 
 from __future__ import annotations
@@ -24,8 +28,24 @@ from typing import Any, ClassVar, Self
 from common.secagg.layout import SecureLayout
 
 RECORD = "secagg"  # the ConfigRecord (and gRPC map) that carries this phase's message
-NEXT_RECORD = "secagg-next"  # the next session's stage, riding on this phase's message (pipelined key exchange)
+NEXT = "next/"  # key prefix of the next session's stage riding on this phase's message (pipelined key exchange)
 STAGES = ("advertise", "share", "unmask")  # stages with a message of their own (`query.secagg_<stage>`)
+
+
+def with_next(fields: Mapping[str, Any], ahead: Mapping[str, Any]) -> dict[str, Any]:
+    """``fields`` with the next session's stage (or its answer) riding along under the ``next/`` prefix.
+
+    It rides inside a record the message has anyway, not in a record of its own: Flower moves every record
+    as its own object, one request at every hop, and a secure round's second phase is bound by such requests
+    (docs/benchmarks.md).
+    """
+    return {**fields, **{NEXT + key: value for key, value in ahead.items()}}
+
+
+def split_next(fields: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(this phase's own fields, the next session's riding stage without its prefix); the latter empty if none rode."""
+    own = {k: v for k, v in fields.items() if not k.startswith(NEXT)}
+    return own, {k.removeprefix(NEXT): v for k, v in fields.items() if k.startswith(NEXT)}
 
 
 class MessageError(ValueError):
