@@ -16,9 +16,12 @@ STABLE_SECONDS = 60.0  # a SuperNode that ran this long had connected: its next 
 MAX_RESTART_DELAY = 8  # seconds between SuperNode restarts, at most
 
 
+factory_id_option = click.option("--factory-id", required=True, help="This factory's name, as the server and dashboard show it.")
+
+
 def agent_options(f):  # type: ignore[no-untyped-def]
     options = [
-        click.option("--factory-id", required=True, help="This factory's name, as the server and dashboard show it."),
+        factory_id_option,
         click.option("--agent-listen", default="127.0.0.1:50061", help="Where the agent serves its training control plane (Train, SecAgg, "
                      "Evaluate, Proxy) to the SuperNode: a loopback host:port or unix:/path, never the network."),
         click.option("--data", default="synthetic", help="'synthetic' or an image folder with one sub-folder per class (any format Pillow reads)."),
@@ -164,7 +167,7 @@ def client(superlink: str, supernode_port: int, workdir: str, insecure: bool, ro
 
 
 @click.command()
-@click.option("--factory-id", required=True, help="This factory's name, as the server and dashboard show it.")
+@factory_id_option
 @click.option("--agent-address", default="127.0.0.1:50061", help="The factory's agent (its --agent-listen): a loopback host:port or "
               "unix:/path to a socket shared with the agent's user or container.")
 @supernode_options
