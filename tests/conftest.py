@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import common  # noqa: F401  # first: it turns gRPC's fork handlers off before any test module imports gRPC
+
 WATCHED = ("flower-superlink", "flower-supernode", "client.supernode", "flwr-serverapp", "flwr-clientapp", "fedforge", "common.cli")
 
 
