@@ -395,12 +395,26 @@ class Federation:
             log.warning("round %d: factory %s failed and is left out: %s", server_round, name, reason)
 
     def _wait_for_factories(self) -> None:
+        """Wait until enough factories are connected. A resumed run (after a crash, often of the SuperLink) also waits, within
+        the same time, until they have sent a heartbeat since it started: a restarted SuperLink lists the factories of its
+        database as online until their last heartbeats run out, and a round sent to one that has not reconnected yet fails
+        with "Node Unavailable" when they do."""
         wanted = self.cfg.expected_factories or self.cfg.min_factories
+        started = time.time()
         deadline = time.monotonic() + self.cfg.wait_for_factories
         while len(self.messenger.node_ids()) < wanted:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"only {len(self.messenger.node_ids())} of {wanted} factories connected within {self.cfg.wait_for_factories:.0f}s")
             time.sleep(0.2)
+        if not self.cfg.resume_from:
+            return
+        while len(heard := self.messenger.heard_since(started)) < wanted:
+            if time.monotonic() > deadline:
+                log.warning("resuming with factories that have not reported since the restart (%d of %d have): their first messages may "
+                            "fail", len(heard), wanted)
+                return
+            time.sleep(0.2)
+        log.info("resumed run: %d factories have reported since it started", len(heard))
 
 
 def _scalars(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.common.constant import HEARTBEAT_PATIENCE
 from flwr.serverapp import Grid
 
 from common.flower_waits import object_pull_deadline
@@ -92,6 +93,15 @@ class Messenger:
 
     def node_ids(self) -> list[int]:
         return sorted(self.grid.get_node_ids())
+
+    def heard_since(self, since: float) -> list[int]:
+        """Nodes whose latest heartbeat reached the SuperLink at or after wall-clock time ``since``.
+
+        The SuperLink keeps a node online until ``last heartbeat + HEARTBEAT_PATIENCE x its interval``; after a SuperLink
+        restart it still lists the nodes of its database as online until that runs out, whether or not they have
+        reconnected. A Grid that reports no heartbeat interval (not a SuperLink's) counts every listed node."""
+        return sorted(n.node_id for n in self.grid.get_nodes()
+                      if not n.heartbeat_interval or n.online_until >= since + HEARTBEAT_PATIENCE * n.heartbeat_interval - 1e-3)
 
     def exchange(self, node_ids: list[int], message_type: str, server_round: int, records: Callable[[int], RecordDict], timeout: float,
                  failures: dict[str, str]) -> dict[int, Message]:

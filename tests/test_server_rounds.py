@@ -216,6 +216,34 @@ def test_secure_rounds_key_the_next_round_in_flight_and_survive_a_dropout_betwee
     assert {name for name, _ in recorded["server-saw"]} == {"masked"} and all(a.dtype == np.uint64 for _, a in recorded["server-saw"])
 
 
+def test_a_resumed_run_waits_for_factories_to_report_since_it_started(tmp_path):
+    """After a SuperLink restart its database still lists every factory as online until their last heartbeats run out:
+    a resumed run waits until each has reported since the run started (a fresh run does not wait for that)."""
+    import time
+
+    from flwr.proto.node_pb2 import NodeInfo
+
+    class RestartedLink(ScriptedGrid):
+        def __init__(self) -> None:
+            super().__init__({1: factory("a", plus(0.0)), 2: factory("b", plus(0.0))})
+            self.reconnect_at = time.time() + 3.0  # factory b reports again 3 s after the run starts
+
+        def get_nodes(self):
+            now = time.time()
+            stale = now - 4.0 + 20.0  # its last heartbeat 4 s ago (10 s interval, patience 2): still listed as online
+            return [NodeInfo(node_id=1, heartbeat_interval=10.0, online_until=now + 20.0),
+                    NodeInfo(node_id=2, heartbeat_interval=10.0, online_until=now + 20.0 if now >= self.reconnect_at else stale)]
+
+    link = RestartedLink()
+    Federation(link, _config(tmp_path, expected_factories=2), flwr_run_id="50")._wait_for_factories()
+    assert time.time() < link.reconnect_at  # both listed: a fresh run goes ahead
+    link = RestartedLink()
+    resumed = Federation(link, _config(tmp_path, expected_factories=2, resume_from="v-any"), flwr_run_id="51")
+    assert resumed.messenger.heard_since(time.time()) == [1]
+    resumed._wait_for_factories()
+    assert time.time() >= link.reconnect_at and resumed.messenger.heard_since(time.time() - 0.5) == [1, 2]
+
+
 def test_a_refused_next_round_stage_never_fails_the_message_it_rides_on(tmp_path, caplog):
     """The agent refuses a share stage for a session it never started: the factory is just not in that session."""
     agent = serve(AgentConfig(factory_id="factory-0", listen=f"127.0.0.1:{free_port()}", train_size=48, state_dir=str(tmp_path / "factory-0")))
