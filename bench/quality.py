@@ -17,6 +17,9 @@ bench/secagg.py cover it). For every setting the baselines run on the *same* dat
 With `--dp` the first recipe also runs with DP-SGD at epsilon 8 per factory: its global model, and
 what each factory then serves. The personal model never leaves its factory and is trained without
 DP, so "DP served - served" is what DP costs on a factory's line, beside what it costs the global model.
+Under DP each factory trains the head within the principal subspace of the public proxy set's features
+(`client.subspace`; the run's `public-subspace`), as a deployment does: the generator's proxy images, or
+ROOT/proxy with `--folders`; `--no-public` trains the whole head instead (what DP gets without public images).
 
 Accuracy of the global and pooled models is on a balanced test set drawn from every factory's optics.
 
@@ -31,6 +34,8 @@ order, not the data):
     ROOT/<factory>/train/<class>/*.png   one directory per factory (any name; sorted), its training images
     ROOT/<factory>/test/<class>/*.png    images of that factory's own distribution, never trained on
     ROOT/test/<class>/*.png              optional: the central test set (default: every factory's test images)
+    ROOT/proxy/**/*.png                  optional: unlabelled public images of the domain (the run's proxy set), never
+                                         a factory's; under --dp the factories learn the subspace they train in from them
 
 Class names are the folders' (any factory may lack any class); `--classes a,b,c` fixes their order.
 """
@@ -58,7 +63,8 @@ from client.trainer import FactoryTrainer, data_request_from
 from common.data import datasets, synth
 from common.data.classes import format_classes, parse_classes
 from common.data.datasets import ImageDataset
-from common.data.folder import load_image_folder
+from common.data.folder import load_image_folder, load_unlabelled_folder
+from common.distill import ProxySet
 from common.features import FeatureCache, array_keys, features_of
 from common.models import build_model, federated_part, is_pretrained, load_weights, weights_of
 from common.training import TrainConfig, evaluate, set_torch_threads, train
@@ -91,10 +97,6 @@ RECIPES = {
     # the defaults ([tool.flwr.app.config]): frozen backbone + federated head, FedAvgM 0.7, cosine local lr over 10 x 2
     "default": Recipe("effnet-lite0 head, FedAvgM 0.7, 10x2, cosine lr", "effnet-lite0", rounds=10, local_epochs=2, server_optimizer="fedavgm",
                       server_momentum=0.7, lr_schedule="cosine"),
-    # the same with DP-SGD at the factories: Adam's steps under DP noise are small, so a 3x larger, constant learning rate
-    # (measured: seed 0 of iid-ish, lr 1e-3 cosine 0.48, 3e-3 cosine 0.56, 3e-3 constant 0.55, 1e-2 0.52-0.53, 3e-2 0.44-0.52)
-    "default-dp": Recipe("effnet-lite0 head, FedAvgM 0.7, 10x2, lr 3e-3 constant (for DP)", "effnet-lite0", rounds=10, local_epochs=2, lr=3e-3,
-                         server_optimizer="fedavgm", server_momentum=0.7),
     "head-fedavg": Recipe("effnet-lite0 head, FedAvg 10x2", "effnet-lite0", rounds=10, local_epochs=2),
     # the from-scratch family, with the recipe it had before (FedAvg 5 x 2) and with server momentum over more, shorter rounds
     "cnn": Recipe("cnn-small, FedAvg 5x2", "cnn-small", rounds=5, local_epochs=2),
@@ -102,7 +104,7 @@ RECIPES = {
 }
 
 SETTINGS = {"iid-ish": (3, 1.0), "skewed": (5, 0.1)}
-DP_RECIPE_OF = {"default": "default-dp"}  # what `--dp` runs for a recipe (the recipe itself when absent)
+PROXY_SIZE = FederationConfig.proxy_size  # the run's default proxy set: what the server generates for the demo
 
 
 @dataclass(frozen=True)
@@ -112,18 +114,20 @@ class Folders:
     factories: tuple[Path, ...]
     central_test: Path | None
     classes: tuple[str, ...]
+    proxy: Path | None = None
 
     @classmethod
     def at(cls, root: str | Path, classes: str = "") -> Folders:
         root = Path(root)
-        factories = tuple(d for d in sorted(root.iterdir()) if d.is_dir() and d.name != "test")
+        factories = tuple(d for d in sorted(root.iterdir()) if d.is_dir() and d.name not in ("test", "proxy"))
         missing = [str(d / part) for d in factories for part in ("train", "test") if not (d / part).is_dir()]
         if len(factories) < 2 or missing:
             raise SystemExit(f"--folders {root}: expected two or more <factory>/train and <factory>/test folders"
                              + (f"; missing {missing}" if missing else f", found {[d.name for d in factories]}"))
         found = sorted({c.name for d in factories for part in ("train", "test") for c in (d / part).iterdir() if c.is_dir()})
         central = root / "test" if (root / "test").is_dir() else None
-        return cls(factories, central, parse_classes(classes) if classes else tuple(found))
+        proxy = root / "proxy" if (root / "proxy").is_dir() else None
+        return cls(factories, central, parse_classes(classes) if classes else tuple(found), proxy)
 
     def test_set(self, folder: Path, size: int) -> ImageDataset:
         data, _report = load_image_folder(folder, size, self.classes)
@@ -140,7 +144,7 @@ def factory_test_set(spec: datasets.SyntheticSpec, index: int, size: int) -> Ima
 
 class Bench:
     def __init__(self, seed: int, factories: int, alpha: float, train_size: int, workdir: Path, tag: str, dp_epsilon: float = 0.0,
-                 rounds: int = 1, folders: Folders | None = None) -> None:
+                 rounds: int = 1, folders: Folders | None = None, public: bool = True) -> None:
         self.spec = datasets.SyntheticSpec(seed=seed, num_factories=factories, alpha=alpha, train_size=train_size)
         self.seed, self.folders = seed, folders
         self.classes = folders.classes if folders else tuple(synth.CLASSES)
@@ -163,6 +167,11 @@ class Bench:
             self.test = datasets.test_dataset(self.spec, 1200)
             self.factory_tests = [factory_test_set(self.spec, i, 300) for i in range(factories)]
         self.cache = FeatureCache(workdir / "bench-features.db")
+        self.public = None  # the run's proxy set: public images the factories may learn their DP subspace from
+        if public and folders and folders.proxy:
+            self.public = ProxySet(load_unlabelled_folder(folders.proxy, self.spec.image_size)[0])
+        elif public and not folders:
+            self.public = ProxySet(datasets.proxy_images(self.spec, PROXY_SIZE))
 
     def config(self, recipe: Recipe, server_round: int) -> dict:
         return replace(recipe.federation(self.seed), classes=format_classes(self.classes)).train_config(server_round, recipe.architecture)
@@ -192,7 +201,7 @@ class Bench:
         for r in range(1, recipe.rounds + 1):
             updates = []
             for i, trainer in enumerate(self.trainers):
-                local = trainer.train(weights, self.config(recipe, r), r, run_id=f"bench-{recipe.name}")
+                local = trainer.train(weights, self.config(recipe, r), r, run_id=f"bench-{recipe.name}", public=self.public)
                 train_seconds += local.metrics["train-seconds"]
                 updates.append(FactoryUpdate(f"f{i}", i, local.weights, local.examples))
             weights = optimizer.step(weights, fedavg(updates, like=weights))
@@ -238,8 +247,8 @@ def main() -> None:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--settings", default="iid-ish,skewed", help=f"comma-separated of {sorted(SETTINGS)}")
     p.add_argument("--recipes", default="default,cnn", help=f"comma-separated of {sorted(RECIPES)}")
-    p.add_argument("--dp", action="store_true", help="also run the first recipe's DP variant (DP_RECIPE_OF) with DP-SGD at epsilon 8 per "
-                                                     "factory over the run")
+    p.add_argument("--dp", action="store_true", help="also run the first recipe with DP-SGD at epsilon 8 per factory over the run")
+    p.add_argument("--no-public", action="store_true", help="with --dp: no public proxy set, DP-SGD trains the whole head")
     p.add_argument("--train-size", type=int, default=600)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--workdir", default=None, help="feature cache and factory state (default: a temporary directory)")
@@ -263,10 +272,10 @@ def main() -> None:
                 fed, base = bench.federate(recipe), bench.pooled_and_local(recipe)
                 row = {"setting": setting, "recipe": recipe.name, "seed": seed, **fed, **base, "seconds": time.perf_counter() - t0}
                 if a.dp and key == a.recipes.split(",")[0]:
-                    dp_recipe = RECIPES[DP_RECIPE_OF.get(key, key)]
-                    row["dp_recipe"] = dp_recipe.name
-                    dp = Bench(seed, factories, alpha, a.train_size, workdir, key, dp_epsilon=8.0, rounds=dp_recipe.rounds,
-                               folders=folders).federate(replace(dp_recipe, name=dp_recipe.name + " DP"))
+                    dp_bench = Bench(seed, factories, alpha, a.train_size, workdir, key, dp_epsilon=8.0, rounds=recipe.rounds, folders=folders,
+                                     public=not a.no_public)
+                    row["dp_public_images"] = len(dp_bench.public) if dp_bench.public is not None else 0
+                    dp = dp_bench.federate(replace(recipe, name=recipe.name + " DP"))
                     # the personal model never leaves its factory, so it is trained without DP: what the line gets under DP
                     row["dp_accuracy"], row["dp_served"] = dp["accuracy"], dp["served"]
                 rows.append(row)

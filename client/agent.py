@@ -70,7 +70,7 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
             proxy = self._proxy_for(config)  # likewise: a distillation round needs the proxy set already here
             send_weights = bool(config.get("send-weights", True))
             global_weights = from_tensors(request.weights)
-            local = self.trainer.train(global_weights, config, request.server_round, request.run_id)
+            local = self.trainer.train(global_weights, config, request.server_round, request.run_id, public=self._public_for(config))
             log.info("round %d: trained on %d examples, loss %.4f%s; %.1fs since the request arrived (%.1fs waiting for the agent, "
                      "%.1fs training)", request.server_round, local.examples, local.metrics["train-loss"], " (secure)" if secure else "",
                      time.monotonic() - arrived, waited, local.metrics["train-seconds"])
@@ -134,6 +134,15 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
             raise UpdateError(f"proxy set {sha256[:12]}... is not on factory {self.trainer.cfg.factory_id}; the server must send it first")
         return proxy
 
+    def _public_for(self, config: dict[str, Any]) -> ProxySet | None:
+        """The run's public proxy set, where DP-SGD learns the subspace it trains the head in; None if the run names none or
+        it is not here (the head then trains whole: a missing public set costs accuracy, never privacy)."""
+        sha256 = str(config.get("public-proxy-sha256", ""))
+        proxy = self.proxies.get(sha256) if sha256 else None
+        if sha256 and proxy is None and self.trainer.budget is not None:
+            log.warning("the run's public proxy set %s... is not on this factory: DP-SGD trains the whole head", sha256[:12])
+        return proxy
+
     def Proxy(self, request: edge_pb2.ProxyRequest, context: grpc.ServicerContext) -> edge_pb2.ProxyReply:
         with _status_on_error(context, "proxy"):
             if request.HasField("images"):
@@ -182,7 +191,8 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
             if info["fits"]:  # decode and extract features while the server exchanges keys: round 1 then trains at once
                 threading.Thread(target=self._prefetch, args=(config,), daemon=True, name="fedforge-prefetch").start()
             return edge_pb2.DescribeReply(factory_id=self.trainer.cfg.factory_id, architecture=self.trainer.cfg.architecture, fits=info["fits"],
-                                          reason=info["reason"], data_source=info["data-source"], class_counts=info.get("class-counts", []))
+                                          reason=info["reason"], data_source=info["data-source"], class_counts=info.get("class-counts", []),
+                                          dp=bool(info.get("dp", False)))
 
     def _prefetch(self, config: dict[str, Any]) -> None:
         with self._lock:  # a train request waits for it rather than doing the same work twice

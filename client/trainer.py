@@ -34,6 +34,7 @@ from client.dp import DPPlan, check_dp_compatible, sample_rate, steps_per_epoch,
 from client.parallel import apply_activation_checkpointing
 from client.personal import PersonalModels, hit_rate, weights_digest
 from client.privacy import PrivacyLedger, noise_for_budget
+from client.subspace import PublicSubspace, SubspaceError, SubspaceHead, fit_subspace
 from client.workers import Job, WorkerGroup
 from common.data import datasets
 from common.data.datasets import ImageSet
@@ -116,6 +117,7 @@ class FactoryTrainer:
         self._personal_done: Future[None] | None = None
         self._alone_heads: dict[tuple[Any, ...], OrderedDict[str, np.ndarray]] = {}  # heads trained on this factory's images alone
         self._alone_lock = threading.Lock()
+        self._subspaces: dict[tuple[Any, ...], PublicSubspace] = {}  # fitted on the run's public proxy set (client.subspace)
         self._figures_lock = threading.Lock()
         self.workers = WorkerGroup(cfg, cfg.parallelism, cfg.local_world_size) if cfg.parallelism != "none" else None
         self.last_figures: dict[str, Any] = {}  # this factory's own latest evaluation (Health, logs)
@@ -128,7 +130,9 @@ class FactoryTrainer:
         """Whether this factory's classes fit the run's class list (and why not); its counts only with --share-metrics."""
         request = data_request_from(config)
         reason = fit_reason(self.data.source, request.classes)
-        out: dict[str, Any] = {"fits": not reason, "reason": reason, "data-source": self.data.source.kind}
+        # "dp": whether this factory trains with DP-SGD (its replies carry its privacy spend anyway); the server then sends it the
+        # run's public proxy set, in which it trains the head (client.subspace)
+        out: dict[str, Any] = {"fits": not reason, "reason": reason, "data-source": self.data.source.kind, "dp": self.budget is not None}
         if self.cfg.share_metrics:
             counts = self.data.counts()
             out["class-counts"] = [int(counts.get(c, 0)) for c in request.classes]
@@ -194,7 +198,10 @@ class FactoryTrainer:
         return self._feature_sets[key]
 
     # one round ------------------------------------------------------------------------------
-    def train(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any], server_round: int, run_id: str = "") -> LocalRound:
+    def train(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any], server_round: int, run_id: str = "",
+              public: ProxySet | None = None) -> LocalRound:
+        """One round's local training. ``public``: the run's proxy set (public images), in whose principal subspace a head
+        trained with DP-SGD trains (`client.subspace`); without it such a head trains whole."""
         cfg = train_config_from(config, server_round)
         prep = self.prepare(weights, config, fresh=self.budget is not None)
         t0 = time.perf_counter()
@@ -203,9 +210,17 @@ class FactoryTrainer:
         trainable = prep.trainable
         if cfg.activation_checkpointing:
             apply_activation_checkpointing(trainable)
+        private_cfg, subspace = cfg, None
         if self.budget is not None:
             trainable = check_dp_compatible(trainable, fix=self.cfg.dp_fix_model)
-        privacy, dp_plan = self._charge_privacy(len(prep.train_set), cfg, config, server_round, run_id) if self.budget else ({}, None)
+            if is_pretrained(prep.architecture):
+                private_cfg = cfg.private_head()
+                subspace = self._public_subspace(prep, private_cfg, public)
+                if subspace is not None:
+                    trainable = SubspaceHead(prep.trainable, subspace)  # type: ignore[arg-type]
+        privacy, dp_plan = self._charge_privacy(len(prep.train_set), private_cfg, config, server_round, run_id) if self.budget else ({}, None)
+        if self.budget is not None and is_pretrained(prep.architecture):  # 0: the whole head trained (no public subspace)
+            privacy["dp-subspace-dims"] = float(subspace.dims if subspace is not None else 0)
         t1 = time.perf_counter()
         if self.workers is not None and not is_pretrained(prep.architecture):
             out = self.workers.run(Job(weights=dict(weights), architecture=prep.architecture, train=asdict(cfg), request=prep.request,
@@ -216,7 +231,10 @@ class FactoryTrainer:
             if dp_plan is None:
                 result = train(trainable, prep.train_set, cfg)
             else:
-                result = train_private(trainable, prep.train_set, cfg, dp_plan)
+                result = train_private(trainable, prep.train_set, private_cfg, dp_plan)
+            if isinstance(trainable, SubspaceHead):  # back to a whole head: what every other site expects
+                prep.trainable.load_state_dict({k: torch.from_numpy(v) for k, v in trainable.fold().items()})
+                trainable = prep.trainable
             new = OrderedDict((k, v.detach().cpu().numpy().copy()) for k, v in trainable.state_dict().items())
         train_seconds = time.perf_counter() - t1
         check_like(weights, new, source=f"factory {self.cfg.factory_id} local training")
@@ -301,6 +319,37 @@ class FactoryTrainer:
                 self._alone_heads[key] = weights_of(head)
             return self._alone_heads[key]
 
+    def _public_subspace(self, prep: Prepared, cfg: TrainConfig, public: ProxySet | None) -> PublicSubspace | None:
+        """The principal subspace of the public proxy set's features that DP-SGD trains the head in, or None (the whole head).
+
+        Computed here, from images this factory holds, never from its own training images; once per proxy set, backbone
+        and setting."""
+        if cfg.public_subspace == 0:
+            return None
+        if public is None:
+            log.info("DP-SGD trains the whole head: the run sent no public proxy set to train it within (client.subspace)")
+            return None
+        ident = prep.model.backbone.spec.ident  # type: ignore[union-attr]
+        key = (public.sha256, ident, cfg.public_subspace, cfg.public_subspace_whitening)
+        if key not in self._subspaces:
+            features = self._proxy_features(prep, public)
+            try:
+                subspace = fit_subspace(features, cfg.public_subspace, cfg.public_subspace_whitening, source=f"proxy {public.sha256[:12]}, {ident}")
+            except SubspaceError as exc:
+                log.warning("DP-SGD trains the whole head: no public subspace from proxy set %s...: %s", public.sha256[:12], exc)
+                return None
+            self._subspaces = {key: subspace}
+            log.info("DP-SGD trains the head within %d principal directions of %d public proxy images (%s)", subspace.dims, len(public),
+                     subspace.source)
+        return self._subspaces[key]
+
+    def _proxy_features(self, prep: Prepared, proxy: ProxySet) -> np.ndarray:
+        """Backbone features of the proxy set's images (cached by content like the factory's own)."""
+        ident = prep.model.backbone.spec.ident  # type: ignore[union-attr]
+        images = datasets.ImageDataset(proxy.images, np.zeros(len(proxy), dtype=np.int64), prep.request.classes)
+        feats = features_of(images, ident, prep.model.encode, self.features, keys=array_keys(proxy.images))  # type: ignore[arg-type]
+        return feats.images_at(np.arange(len(feats)))
+
     def _charge_privacy(self, n: int, cfg: TrainConfig, config: dict[str, Any], server_round: int, run_id: str) -> tuple[dict[str, float], DPPlan]:
         """Charge the ledger for this round (or refuse it with `BudgetExhausted`) before any training.
 
@@ -349,10 +398,7 @@ class FactoryTrainer:
             raise UpdateError(f"distillation temperature must be > 0, got {temperature}")
         prep = self.prepare(weights, config)
         if is_pretrained(prep.architecture):
-            ident = prep.model.backbone.spec.ident  # type: ignore[union-attr]
-            feats = features_of(datasets.ImageDataset(proxy.images, np.zeros(len(proxy), dtype=np.int64), prep.request.classes), ident,
-                                prep.model.encode, self.features, keys=array_keys(proxy.images))  # type: ignore[arg-type]
-            probabilities = predict_proxy(prep.trainable, feats.images_at(np.arange(len(feats))), temperature)
+            probabilities = predict_proxy(prep.trainable, self._proxy_features(prep, proxy), temperature)
         else:
             probabilities = predict_proxy(prep.model, proxy, temperature)
         if not np.isfinite(probabilities).all():  # a diverged local model: never send it into the secure sum

@@ -3,7 +3,8 @@
 A run: wait for factories, learn who they are (`_describe`: the model each trains, whether its
 classes fit the run's list), then rounds, then one evaluate-only phase. A round:
 
-1. describe factories seen for the first time; hand out the proxy set in distillation rounds;
+1. describe factories seen for the first time; hand out the proxy set in distillation rounds, and to
+   factories that train with DP (they train the head within its principal subspace: `client.subspace`);
 2. send every factory its group's global model (`plain_round`, or `SecureRounds.train` where the
    server learns sums only); each factory evaluates the model it received on its own held-out
    images, then trains, and replies;
@@ -38,7 +39,7 @@ from flwr.supercore.inflatable.inflatable_utils import ObjectPullError, ObjectPu
 
 from common.distill import DistillConfig, ProxySet
 from common.evaluation import figures
-from common.models import ARCHITECTURES, backbone_of, build_model, federated_part, load_weights, weights_of
+from common.models import ARCHITECTURES, backbone_of, build_model, federated_part, is_pretrained, load_weights, weights_of
 from common.procs import process_identity
 from common.training import set_torch_threads, torch_threads
 from server.central import CentralData
@@ -93,6 +94,9 @@ class Federation:
         self.proxy: ProxySet | None = None
         self.validation: Any = None
         self.proxy_ready: set[int] = set()  # nodes holding this run's proxy set (it travels once per run)
+        self.private_nodes: set[int] = set()  # nodes that declared they train with DP-SGD
+        self.public_sha256 = ""  # the proxy set DP factories train their head's subspace from, once sent
+        self.no_public_reason = ""  # why DP factories get no public proxy set (said once)
 
     # ---------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -144,6 +148,7 @@ class Federation:
         nodes = self._describe(self.messenger.node_ids(), server_round, failures)
         if distilling:
             nodes = self._deliver_proxy(nodes, server_round, failures)
+        self._share_public(nodes, server_round)
         plan = self._plan(server_round, nodes, distilling)
         sent = dict(self.lines)  # whose models the factories evaluate this round (recorded versions after the round)
         try:
@@ -272,6 +277,8 @@ class Federation:
                     self.left_out[node] = f"declares an unknown architecture {arch!r}; this server knows {sorted(ARCHITECTURES)}"
                 else:
                     self.architecture_of_node[node] = arch
+                    if bool(info.get("dp", False)):
+                        self.private_nodes.add(node)
                     self.generated_data[node] = str(info.get("data-source", "")) == "synthetic"
                     log.info("factory %s trains %s on %s data", self.messenger.name(node), arch, info.get("data-source", "its own"))
                     continue
@@ -300,6 +307,26 @@ class Federation:
                          self.proxy.images.nbytes / 1e6, len(missing))
         return [n for n in node_ids if n in self.proxy_ready]
 
+    def _share_public(self, nodes: list[int], server_round: int) -> None:
+        """Send the proxy set (public images) to factories that train the pretrained head with DP: each learns from it the subspace
+        it trains in (`client.subspace`). Without it they train the whole head, so a failed delivery is logged, not fatal."""
+        private = [n for n in nodes if n in self.private_nodes and is_pretrained(self.architecture_of_node[n])]
+        if not private or self.cfg.training.public_subspace == 0:
+            return
+        if self.proxy is None:
+            if not self.cfg.proxy_data and not all(self.generated_data.values()):
+                if not self.no_public_reason:
+                    self.no_public_reason = "no proxy-data folder: factories with their own images need public images of their domain"
+                    log.warning("factories that train with DP train the whole head (%s); set proxy-data to a folder of unlabelled public images "
+                                "of the domain and they train it within those images' principal subspace (docs/security.md)", self.no_public_reason)
+                return
+            self.proxy = load_proxy(self.cfg)
+        missed: dict[str, str] = {}
+        self._deliver_proxy(private, server_round, missed)
+        for name, reason in missed.items():
+            log.warning("round %d: factory %s did not take the public proxy set (%s); it trains its whole head under DP", server_round, name, reason)
+        self.public_sha256 = self.proxy.sha256
+
     def _plan(self, server_round: int, nodes: list[int], distilling: bool) -> RoundPlan:
         for arch in {self.architecture_of_node[n] for n in nodes}:
             self._line(arch)
@@ -311,6 +338,8 @@ class Federation:
         if distilling:
             assert self.proxy is not None
             config |= {"proxy-sha256": self.proxy.sha256, "temperature": self.cfg.distill_temperature}
+        if self.public_sha256 and self.cfg.training.public_subspace > 0:
+            config["public-proxy-sha256"] = self.public_sha256
         config["send-weights"] = send_weights
         return ConfigRecord(config)
 

@@ -63,6 +63,7 @@ def test_api_shows_the_real_run(dashboard, registry_dir):
         privacy = c.get("/api/v1/privacy").json()
         assert {p["factory"] for p in privacy} == {"factory-0", "factory-1"}
         assert all(0 < p["epsilon_spent"] <= p["epsilon_max"] == 8.0 for p in privacy)
+        assert all(p["subspace_dims"] == 128 for p in privacy)  # the head trained within the generated proxy set's top 128 directions
         factories = c.get("/api/v1/factories").json()
         assert [f["status"] for f in factories] == ["ok", "ok"]
         metrics = c.get("/metrics").text

@@ -130,8 +130,8 @@ def test_empty_and_missing_folders_are_refused(tmp_path):
 
 def test_the_quality_bench_compares_on_your_own_folders(tmp_path):
     """`bench/quality.py --folders --dp`: the issue's comparison (global, pooled, served vs local, and under DP the global
-    model and what each factory serves) on image folders with other class names and a class one factory lacks; a wrong
-    layout is refused naming what is missing."""
+    model and what each factory serves, trained within the subspace of ROOT/proxy's public images) on image folders with
+    other class names and a class one factory lacks; a wrong layout is refused naming what is missing."""
     import subprocess
     import sys
     from pathlib import Path
@@ -142,11 +142,14 @@ def test_the_quality_bench_compares_on_your_own_folders(tmp_path):
             for c, name in enumerate(classes):
                 for k in range(count):
                     _write(tmp_path / "root" / factory / part / name / f"{k}.png", value=int(40 + 80 * c + rng.integers(0, 20)))
+    for k in range(20):  # public images of the domain, unlabelled: the DP factories learn the subspace they train in from them
+        _write(tmp_path / "root" / "proxy" / "line-3" / f"{k}.png", value=int(40 + 8 * k))
     bench = Path(__file__).resolve().parents[1] / "bench" / "quality.py"
     run = subprocess.run([sys.executable, str(bench), "--folders", str(tmp_path / "root"), "--recipes", "default", "--seeds", "0",
                           "--workdir", str(tmp_path / "work"), "--threads", "1", "--dp"], capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "2 factories from" in run.stdout and "['bolt', 'nut', 'washer']" in run.stdout
+    assert "2 factories from" in run.stdout and "['bolt', 'nut', 'washer']" in run.stdout  # proxy/ is no factory
+    assert '"dp_public_images": 20' in run.stdout
     row = next(line for line in run.stdout.splitlines() if line.startswith("| folders |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert 0.0 <= float(cells[2]) <= 1.0 and 0.0 <= float(cells[3]) <= 1.0 and cells[5].endswith("/1 seeds"), row

@@ -216,6 +216,67 @@ def test_secure_rounds_key_the_next_round_in_flight_and_survive_a_dropout_betwee
     assert {name for name, _ in recorded["server-saw"]} == {"masked"} and all(a.dtype == np.uint64 for _, a in recorded["server-saw"])
 
 
+def test_factories_training_with_dp_get_the_public_proxy_set_once_and_train_their_head_within_its_subspace(tmp_path):
+    """Factories that declare DP in describe receive the run's proxy set (public images) once; every train message names it;
+    the DP factories report the subspace they trained in with their privacy spend, the plain factory gets no proxy set."""
+    dp = {"factory-0": True, "factory-1": True, "factory-2": False}
+    agents = [serve(AgentConfig(factory_id=name, listen=f"127.0.0.1:{free_port()}", factory_index=i, num_factories=3, train_size=48,
+                                dp=private, dp_epsilon=8.0, dp_planned_rounds=2, state_dir=str(tmp_path / "factories" / name)))
+              for i, (name, private) in enumerate(dp.items())]
+    recorded: dict[str, list] = {}
+    seen: list[tuple[int, str, str, dict]] = []
+
+    def watching(agent) -> Handler:
+        inner = agent_node(agent, recorded)
+
+        def handle(msg: Message) -> Message | None:
+            content = {k: dict(msg.content[k]) for k in ("config", "proxy") if k in msg.content}
+            seen.append((int(msg.metadata.group_id), msg.metadata.message_type, agent.trainer.cfg.factory_id,
+                         {**content, "images": "images" in msg.content}))
+            return inner(msg)
+        return handle
+
+    grid = ScriptedGrid({i + 1: watching(agent) for i, agent in enumerate(agents)})
+    cfg = _config(tmp_path, num_server_rounds=2, secure_aggregation=True, secagg_threshold=2, round_timeout=60, secagg_timeout=60,
+                  federated_evaluation=False, proxy_size=40)
+    try:
+        fed = Federation(grid, cfg, flwr_run_id="41")
+        fed.run()
+    finally:
+        for agent in agents:
+            agent.stop(0)
+
+    registry = Registry.at(tmp_path)
+    assert [r.status for r in registry.rounds("run-41")] == ["completed"] * 2
+    proxy_messages = [(r, name, m["images"]) for r, kind, name, m in seen if kind == "query.proxy"]
+    assert {name for _, name, _ in proxy_messages} == {"factory-0", "factory-1"}  # never to the plain factory
+    assert sorted((name, r) for r, name, images in proxy_messages if images) == [("factory-0", 1), ("factory-1", 1)]  # the images once
+    sha = fed.proxy.sha256
+    assert all(m["config"]["public-proxy-sha256"] == sha for _, kind, _, m in seen if kind == "train")
+    privacy = registry.versions("run-41")[-1].privacy
+    assert set(privacy) == {"factory-0", "factory-1"}
+    assert all(p["dp-subspace-dims"] == 39 for p in privacy.values())  # 40 public images span 39 directions about their mean
+
+
+def test_dp_factories_with_their_own_images_get_no_generated_proxy_set_and_the_operator_is_told(tmp_path, caplog):
+    """The generator's proxy images are public for generated factories only: with real folders and no proxy-data folder the
+    server sends none (DP factories then train the whole head) and says what to set."""
+    kinds: list[str] = []
+
+    def folder_factory(msg: Message) -> Message:
+        kinds.append(msg.metadata.message_type)
+        if msg.metadata.message_type == "query.describe":
+            return Message(RecordDict({"info": ConfigRecord({"factory-id": "plant", "architecture": "", "data-source": "folder", "dp": True})}),
+                           reply_to=msg)
+        assert "public-proxy-sha256" not in msg.content["config"]
+        return factory("plant", plus(0.01))(msg)
+
+    with caplog.at_level(logging.WARNING, logger="fedforge"):
+        Federation(ScriptedGrid({1: folder_factory}), _config(tmp_path, min_factories=1), flwr_run_id="42").run()
+    assert "query.proxy" not in kinds and "train" in kinds
+    assert "set proxy-data to a folder of unlabelled public images" in caplog.text
+
+
 def test_a_resumed_run_waits_for_factories_to_report_since_it_started(tmp_path):
     """After a SuperLink restart its database still lists every factory as online until their last heartbeats run out:
     a resumed run waits until each has reported since the run started (a fresh run does not wait for that)."""

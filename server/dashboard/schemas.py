@@ -114,6 +114,7 @@ class PrivacyOut(BaseModel):
     factory: str
     epsilon_max: float | None
     epsilon_spent: float | None
+    subspace_dims: int | None = None  # the public directions its head last trained in under DP; 0: the whole head (client/subspace.py)
     history: list[PrivacyPoint] | None = None  # per round; in the list only with ?history=true (a deferred column)
 
 

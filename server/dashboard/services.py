@@ -171,6 +171,7 @@ def privacy(reg: Registry, history: bool = True) -> list[schemas.PrivacyOut]:
                 by_factory.setdefault(factory, []).append(schemas.PrivacyPoint(server_round=v.server_round, epsilon_spent=p["epsilon-spent"]))
     latest = latest_privacy(reg)
     return [schemas.PrivacyOut(factory=f, epsilon_max=latest[f].get("epsilon-max"), epsilon_spent=latest[f].get("epsilon-spent"),
+                               subspace_dims=int(latest[f]["dp-subspace-dims"]) if "dp-subspace-dims" in latest[f] else None,
                                history=points if history else None)
             for f, points in sorted(by_factory.items())]
 

@@ -194,20 +194,22 @@ class DescribeRequest(_message.Message):
     def __init__(self, config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class DescribeReply(_message.Message):
-    __slots__ = ("factory_id", "architecture", "fits", "reason", "data_source", "class_counts")
+    __slots__ = ("factory_id", "architecture", "fits", "reason", "data_source", "class_counts", "dp")
     FACTORY_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     FITS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DATA_SOURCE_FIELD_NUMBER: _ClassVar[int]
     CLASS_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    DP_FIELD_NUMBER: _ClassVar[int]
     factory_id: str
     architecture: str
     fits: bool
     reason: str
     data_source: str
     class_counts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, factory_id: _Optional[str] = ..., architecture: _Optional[str] = ..., fits: _Optional[bool] = ..., reason: _Optional[str] = ..., data_source: _Optional[str] = ..., class_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+    dp: bool
+    def __init__(self, factory_id: _Optional[str] = ..., architecture: _Optional[str] = ..., fits: _Optional[bool] = ..., reason: _Optional[str] = ..., data_source: _Optional[str] = ..., class_counts: _Optional[_Iterable[int]] = ..., dp: _Optional[bool] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

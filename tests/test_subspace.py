@@ -1,0 +1,137 @@
+"""DP-SGD within a public subspace (client.subspace): what is trained, what leaves, and what the subspace may depend on."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from opacus.accountants import RDPAccountant
+from torch import nn
+
+from client.config import AgentConfig
+from client.dp import sample_rate
+from client.subspace import SubspaceError, SubspaceHead, fit_subspace
+from client.trainer import FactoryTrainer
+from common.data import datasets
+from common.distill import ProxySet
+from common.models import build_model, weights_of
+from common.training import TrainConfig
+
+ARCH = "effnet-lite0"
+CONFIG = {"architecture": ARCH, "local-epochs": 1, "public-subspace": 12}
+
+
+def _public(count: int = 40, seed: int = 5) -> ProxySet:
+    return ProxySet(datasets.proxy_images(datasets.SyntheticSpec(seed=seed), count))
+
+
+def _trainer(tmp_path, name: str, dp: bool = True, index: int = 0) -> FactoryTrainer:
+    return FactoryTrainer(AgentConfig(factory_id=name, factory_index=index, num_factories=2, train_size=60, dp=dp, dp_epsilon=8.0,
+                                      dp_planned_rounds=3, state_dir=str(tmp_path / name)))
+
+
+def test_the_subspace_is_the_top_principal_directions_scaled_and_the_same_every_time():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(400, 30)) * 2.0 ** -np.arange(30)  # variance halves from one axis to the next
+    sub = fit_subspace(x, 4, whitening=0.25)
+    again = fit_subspace(x.copy(), 4, whitening=0.25)
+    assert sub.dims == 4 and sub.digest() == again.digest()
+    norms = np.linalg.norm(sub.basis, axis=0)
+    directions = sub.basis / norms
+    np.testing.assert_allclose(directions.T @ directions, np.eye(4), atol=1e-5)  # orthonormal directions
+    s = np.linalg.svd(x - x.mean(0), compute_uv=False)[:4]
+    np.testing.assert_allclose(norms, (s / s[0]) ** -0.25, rtol=1e-5)  # each scaled by (s_j / s_1)^-w
+    assert np.abs(directions).argmax(axis=0).tolist() == [0, 1, 2, 3]  # the axes of largest variance, in order
+    assert fit_subspace(x[:, :3], 10, 0.0).dims == 3  # never more directions than the public images span
+
+
+@pytest.mark.parametrize("bad, match", [(np.zeros((8, 5)), "at least 16"), (np.full((20, 5), np.nan), "finite"), (np.ones((20, 5)), "do not vary")])
+def test_public_images_that_cannot_give_a_subspace_are_refused_with_the_reason(bad, match):
+    with pytest.raises(SubspaceError, match=match):
+        fit_subspace(bad, 4, 0.25)
+
+
+def test_the_subspace_head_starts_as_the_received_head_and_folds_into_an_ordinary_head_computing_the_same():
+    torch.manual_seed(0)
+    head = nn.Linear(30, 6)
+    sub = fit_subspace(np.random.default_rng(1).normal(size=(50, 30)), 5, 0.25)
+    module = SubspaceHead(head, sub)
+    x = torch.randn(16, 30)
+    torch.testing.assert_close(module(x), head(x))  # delta starts at zero
+    assert [name for name, p in module.named_parameters()] == ["delta.weight", "delta.bias"] and module.delta.weight.shape == (6, 5)
+    with torch.no_grad():
+        module.delta.weight.normal_()
+        module.delta.bias.normal_()
+    folded = nn.Linear(30, 6)
+    folded.load_state_dict({k: torch.from_numpy(v) for k, v in module.fold().items()})
+    torch.testing.assert_close(folded(x), module(x), atol=1e-4, rtol=1e-4)
+    with pytest.raises(SubspaceError, match="over 30 features, the head over 7"):
+        SubspaceHead(nn.Linear(7, 6), sub)
+
+
+def test_dp_training_moves_the_head_only_within_the_public_subspace_and_is_accounted_at_the_private_batch(tmp_path):
+    trainer = _trainer(tmp_path, "dp-sub")
+    public = _public()
+    weights = weights_of(build_model(ARCH, 6, seed=1))
+    local = trainer.train(weights, CONFIG, 1, run_id="r", public=public)
+    assert local.privacy["dp-subspace-dims"] == 12 and list(local.weights) == ["weight", "bias"]
+    sub = next(iter(trainer._subspaces.values()))
+    q, _ = np.linalg.qr(sub.basis.astype(np.float64))
+    update = local.weights["weight"].astype(np.float64) - weights["weight"]
+    assert np.linalg.norm(update) > 0
+    assert np.linalg.norm(update - (update @ q) @ q.T) < 1e-4 * np.linalg.norm(update)  # no component outside the subspace
+    n = len(trainer.prepare(weights, CONFIG).train_set)
+    (noise, rate, steps), = trainer.ledger.history()
+    assert rate == sample_rate(n, 256) and steps == 1  # the private-head batch (256), one epoch
+    accountant = RDPAccountant()
+    accountant.history = [(noise, rate, steps)]
+    assert local.privacy["epsilon-spent"] == pytest.approx(accountant.get_epsilon(delta=1e-5), rel=1e-9)
+    trainer.close()
+
+
+def test_the_subspace_depends_on_the_public_images_only(tmp_path):
+    """Two factories with different private images fit the same subspace from the same public set: nothing of their own data enters it."""
+    public = _public()
+    weights = weights_of(build_model(ARCH, 6, seed=1))
+    digests = []
+    for i in (0, 1):
+        trainer = _trainer(tmp_path, f"factory-{i}", index=i)
+        trainer.train(weights, CONFIG, 1, run_id="r", public=public)
+        (sub,) = trainer._subspaces.values()
+        digests.append(sub.digest())
+        trainer.close()
+    assert digests[0] == digests[1]
+
+
+def test_without_usable_public_images_dp_trains_the_whole_head_and_says_why(tmp_path, caplog):
+    weights = weights_of(build_model(ARCH, 6, seed=1))
+    trainer = _trainer(tmp_path, "dp-whole")
+    with caplog.at_level(logging.INFO, logger="client.trainer"):
+        none_sent = trainer.train(weights, CONFIG, 1, run_id="r")
+        too_few = trainer.train(weights, CONFIG, 2, run_id="r", public=_public(count=8))  # what a hostile server might send
+    assert none_sent.privacy["dp-subspace-dims"] == 0 and too_few.privacy["dp-subspace-dims"] == 0
+    assert "sent no public proxy set" in caplog.text and "at least 16" in caplog.text
+    assert not np.allclose(too_few.weights["weight"], weights["weight"])
+    trainer.close()
+
+
+def test_without_dp_the_public_set_changes_nothing(tmp_path):
+    weights = weights_of(build_model(ARCH, 6, seed=1))
+    runs = []
+    for name, public in (("plain-a", None), ("plain-b", _public())):
+        trainer = _trainer(tmp_path, name, dp=False)
+        local = trainer.train(weights, CONFIG, 1, run_id="r", public=public)
+        runs.append(local.weights)
+        assert local.privacy == {}
+        trainer.close()
+    assert all(np.array_equal(runs[0][k], runs[1][k]) for k in runs[0])
+
+
+def test_dp_head_settings_are_checked_by_name():
+    with pytest.raises(ValueError, match="private-head-optimizer"):
+        TrainConfig.from_run_config({"private-head-optimizer": "lion"})
+    with pytest.raises(ValueError, match="public-subspace-whitening"):
+        TrainConfig.from_run_config({"public-subspace-whitening": 2.0})
+    assert TrainConfig().private_head() == TrainConfig(optimizer="sgd", lr=0.3, batch_size=256)
