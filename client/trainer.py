@@ -207,17 +207,7 @@ class FactoryTrainer:
         t0 = time.perf_counter()
         received = evaluate(prep.trainable, prep.held_out) if len(prep.held_out) else None
         eval_seconds = time.perf_counter() - t0
-        trainable = prep.trainable
-        if cfg.activation_checkpointing:
-            apply_activation_checkpointing(trainable)
-        private_cfg, subspace = cfg, None
-        if self.budget is not None:
-            trainable = check_dp_compatible(trainable, fix=self.cfg.dp_fix_model)
-            if is_pretrained(prep.architecture):
-                private_cfg = cfg.private_head()
-                subspace = self._public_subspace(prep, private_cfg, public)
-                if subspace is not None:
-                    trainable = SubspaceHead(prep.trainable, subspace)  # type: ignore[arg-type]
+        trainable, private_cfg, subspace = self._trainable(prep, cfg, public)
         privacy, dp_plan = self._charge_privacy(len(prep.train_set), private_cfg, config, server_round, run_id) if self.budget else ({}, None)
         if self.budget is not None and is_pretrained(prep.architecture):  # 0: the whole head trained (no public subspace)
             privacy["dp-subspace-dims"] = float(subspace.dims if subspace is not None else 0)
@@ -318,6 +308,21 @@ class FactoryTrainer:
                 train(head, prep.train_set, cfg)
                 self._alone_heads[key] = weights_of(head)
             return self._alone_heads[key]
+
+    def _trainable(self, prep: Prepared, cfg: TrainConfig, public: ProxySet | None) -> tuple[nn.Module, TrainConfig, PublicSubspace | None]:
+        """What trains this round and with which settings: the prepared module, or under DP the checked module, and for a
+        pretrained head its DP settings and, given public images, the head within their subspace (`client.subspace`)."""
+        trainable = prep.trainable
+        if cfg.activation_checkpointing:
+            apply_activation_checkpointing(trainable)
+        if self.budget is None:
+            return trainable, cfg, None
+        trainable = check_dp_compatible(trainable, fix=self.cfg.dp_fix_model)
+        if not is_pretrained(prep.architecture):
+            return trainable, cfg, None
+        private_cfg = cfg.private_head()
+        subspace = self._public_subspace(prep, private_cfg, public)
+        return (SubspaceHead(trainable, subspace) if subspace is not None else trainable), private_cfg, subspace  # type: ignore[arg-type]
 
     def _public_subspace(self, prep: Prepared, cfg: TrainConfig, public: ProxySet | None) -> PublicSubspace | None:
         """The principal subspace of the public proxy set's features that DP-SGD trains the head in, or None (the whole head).
