@@ -23,11 +23,12 @@ ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 
 @pytest.fixture(scope="module")
 def registry_dir(tmp_path_factory) -> Path:
-    """A registry written by `fedforge demo` (2 factories with DP, 2 secure rounds)."""
+    """A registry written by `fedforge demo` (2 factories with DP, 2 rounds)."""
     root = tmp_path_factory.mktemp("dash")
     proc = subprocess.run(
         [sys.executable, "-m", "common.cli", "demo", "--factories", "2", "--rounds", "2", "--train-size", "200", "--local-epochs", "1",
-         "--dp", "--epsilon", "8", "--min-factories", "2", "--no-secure", "--workdir", str(root), "--json", str(root / "summary.json")],
+         "--dp", "--epsilon", "8", "--min-factories", "2", "--no-secure", "--set", "proxy-size=200",  # the DP heads' public set: 200 images
+         "--workdir", str(root), "--json", str(root / "summary.json")],
         capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return root / "central" / "registry"
