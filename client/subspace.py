@@ -63,7 +63,8 @@ def fit_subspace(features: np.ndarray, dims: int, whitening: float, source: str 
     coordinates as they are, 1 gives every direction unit variance. Partial whitening helps DP-SGD
     because the noise is the same in every trained coordinate while the signal is not; measured on
     the built-in data, 0.125 to 0.5 were within a point of each other, 0 about a point below them and
-    full whitening about four (docs/benchmarks.md). Signs are fixed (largest component positive) so that every factory
+    full whitening about four; on a second generator's images 0.5 (the default) with a decaying
+    learning rate was about three points above 0.25 (docs/benchmarks.md). Signs are fixed (largest component positive) so that every factory
     computing it from the same images gets the same basis.
     """
     x = np.asarray(features, dtype=np.float64)

@@ -76,14 +76,15 @@ class TrainConfig:
                              "and the fine-tuned global one (pretrained family; 0: the fine-tune alone)"))
     # DP-SGD on the pretrained family's linear head (client.subspace): its own optimiser settings, because the noise, not the
     # data, sets the step there (measured at epsilon 8, 3 factories: on the whole head SGD lr 0.3 over batches of 256 reached 0.614,
-    # AdamW lr 3e-3 over 16 0.559; docs/benchmarks.md)
+    # AdamW lr 3e-3 over 16 0.559; in the public subspace lr 0.6 under the run's lr-schedule with whitening 0.5; docs/benchmarks.md)
     private_head_optimizer: str = field(default="sgd", metadata=_key("private-head-optimizer", "optimiser of a head trained with DP-SGD: adamw | sgd"))
-    private_head_lr: float = field(default=0.3, metadata=_key("private-head-lr", "learning rate of a head trained with DP-SGD (not decayed over rounds)"))
+    private_head_lr: float = field(default=0.6, metadata=_key("private-head-lr", "learning rate of a head trained with DP-SGD (decayed over rounds "
+                                                                                           "like lr, under lr-schedule)"))
     private_head_batch_size: int = field(default=256, metadata=_key("private-head-batch-size", "expected batch of a head trained with DP-SGD"))
     public_subspace: int = field(default=128, metadata=_key(
         "public-subspace", "a head trained with DP-SGD trains within this many principal directions of the proxy set's features "
                            "(public images; 0: the whole head)"))
-    public_subspace_whitening: float = field(default=0.25, metadata=_key(
+    public_subspace_whitening: float = field(default=0.5, metadata=_key(
         "public-subspace-whitening", "scale each public direction by (its singular value / the first)^-w: 0 none, 1 full whitening"))
     seed: int = 0
 

@@ -149,18 +149,23 @@ class FederationConfig:
         """The data contract as message config keys (every describe, train and evaluate message carries it)."""
         return {"classes": self.classes, "image-size": self.image_size, "channels": self.channels}
 
-    def round_lr(self, server_round: int) -> float:
-        """The local learning rate of a round: ``lr``, or with ``lr-schedule = "cosine"`` decayed over the run to lr / 10
-        (FedAvg's local steps then shrink as the federation converges, as a pooled run's schedule would)."""
+    def round_lr(self, server_round: int, lr: float | None = None) -> float:
+        """The local learning rate of a round: ``lr`` (default: the run's), or with ``lr-schedule = "cosine"`` decayed over
+        the run to lr / 10 (FedAvg's local steps then shrink as the federation converges, as a pooled run's schedule would)."""
+        lr = self.training.lr if lr is None else lr
         if self.lr_schedule == "constant" or self.num_server_rounds <= 1:
-            return self.training.lr
+            return lr
         progress = min(1.0, max(0.0, (server_round - 1) / (self.num_server_rounds - 1)))
-        return self.training.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+        return lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
     def train_config(self, server_round: int, architecture: str | None = None) -> dict[str, Any]:
-        """What a train message tells a factory: the round, its architecture, the data contract and every training option."""
+        """What a train message tells a factory: the round, its architecture, the data contract and every training option.
+
+        Both learning rates follow the schedule: the head a DP factory trains decays too, because the noise each step adds
+        to the global model scales with its step, and late rounds refine rather than move (docs/benchmarks.md)."""
         return {"server-round": server_round, "architecture": architecture or self.architecture, "seed": self.seed, **self.data_config(),
-                **self.training.to_run_config(), "lr": self.round_lr(server_round)}
+                **self.training.to_run_config(), "lr": self.round_lr(server_round),
+                "private-head-lr": self.round_lr(server_round, self.training.private_head_lr)}
 
     def distills_in(self, server_round: int) -> bool:
         return self.distill == "only" or (self.distill == "after" and server_round % self.distill_every == 0)

@@ -33,8 +33,13 @@ def test_every_training_option_is_reachable_from_the_run_config():
     # lr-schedule = cosine (the default): round 1 trains at lr, the last round at lr / 10, smoothly in between
     lrs = [cfg.train_config(r, "cnn-small")["lr"] for r in range(1, cfg.num_server_rounds + 1)]
     assert lrs[0] == 0.01 and lrs[-1] == pytest.approx(0.001) and all(a > b for a, b in itertools.pairwise(lrs))
+    # so does the learning rate of a head trained with DP-SGD (its own base rate, the same decay)
+    private = [cfg.train_config(r, "effnet-lite0")["private-head-lr"] for r in range(1, cfg.num_server_rounds + 1)]
+    assert private[0] == cfg.training.private_head_lr and private[-1] == pytest.approx(cfg.training.private_head_lr / 10)
+    assert private == pytest.approx([lr / 0.01 * cfg.training.private_head_lr for lr in lrs])
     constant = FederationConfig.from_run_config({**run, "lr-schedule": "constant"})
     assert {constant.train_config(r)["lr"] for r in (1, 5, 10)} == {0.01}
+    assert {constant.train_config(r)["private-head-lr"] for r in (1, 5, 10)} == {cfg.training.private_head_lr}
 
 
 def test_unknown_keys_are_logged_and_bad_values_name_their_key(caplog):

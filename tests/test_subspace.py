@@ -134,4 +134,4 @@ def test_dp_head_settings_are_checked_by_name():
         TrainConfig.from_run_config({"private-head-optimizer": "lion"})
     with pytest.raises(ValueError, match="public-subspace-whitening"):
         TrainConfig.from_run_config({"public-subspace-whitening": 2.0})
-    assert TrainConfig().private_head() == TrainConfig(optimizer="sgd", lr=0.3, batch_size=256)
+    assert TrainConfig().private_head() == TrainConfig(optimizer="sgd", lr=0.6, batch_size=256)
