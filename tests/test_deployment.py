@@ -261,6 +261,12 @@ def test_central_site_crashes_resume_from_the_registry(tmp_path, no_leftover_pro
         for pid in _pids("flwr-serverapp"):
             os.kill(pid, signal.SIGKILL)
         wait_for(lambda: 3 in completed_rounds() and all(r.status != "running" for r in registry.runs()), "round 3 after the ServerApp kill")
+        from server import launch
+
+        # both interrupted runs were stopped in Flower by the supervisor, not left to lapse (a restarted SuperLink keeps a run
+        # of a dead ServerApp running for a minute, and a SuperNode stuck on one of its messages takes no other)
+        interrupted = [run.id.removeprefix("run-") for run in registry.runs() if run.status == "interrupted"]
+        assert [launch.run_status(fed.flwr_home(), i) for i in interrupted] == ["finished:stopped"] * 2, interrupted
 
     assert completed_rounds() == [1, 2, 3]  # no round counted twice
     statuses = [run.status for run in registry.runs()]
