@@ -242,6 +242,15 @@ class Bench:
         return {"pooled": pooled, "local": local}
 
 
+def served_vs_local(pairs: list[tuple[float, float]]) -> str:
+    """Factories whose served model beats / ties / loses to their local-only model on their own test images. A tie where
+    local-only is already perfect (a factory that sees one class scores 1.000 alone) cannot become a win, so it is
+    counted apart."""
+    better = sum(s > loc for s, loc in pairs)
+    tied = [loc for s, loc in pairs if s == loc]
+    return f"{better} / {len(tied)} ({sum(loc == 1.0 for loc in tied)}) / {len(pairs) - better - len(tied)}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", default="0,1,2")
@@ -281,20 +290,21 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print()
-    print("| setting | recipe | global | pooled | global/pooled | served > local at every factory | served - local (min) | DP global "
-          "| DP served - served (mean, min) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| setting | recipe | global | pooled | global/pooled | served > local at every factory | served vs local: better / tied "
+          "(at 1.000) / worse | served - local (min) | DP global | DP served - served (mean, min) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for setting in a.settings.split(","):
         for key in a.recipes.split(","):
             rs = [r for r in rows if r["setting"] == setting and r["recipe"] == RECIPES[key].name]
             g, pooled = statistics.mean(r["accuracy"] for r in rs), statistics.mean(r["pooled"] for r in rs)
             better = sum(all(s > loc for s, loc in zip(r["served"], r["local"])) for r in rs)
             margin = min(min(s - loc for s, loc in zip(r["served"], r["local"])) for r in rs)
+            counts = served_vs_local([(s, loc) for r in rs for s, loc in zip(r["served"], r["local"])])
             dp_columns = "– | – |"
             if all("dp_accuracy" in r for r in rs):
                 cost = [d - s for r in rs for d, s in zip(r["dp_served"], r["served"])]
                 dp_columns = f"{statistics.mean(r['dp_accuracy'] for r in rs):.3f} | {statistics.mean(cost):+.3f}, {min(cost):+.3f} |"
-            print(f"| {setting} | {RECIPES[key].name} | {g:.3f} | {pooled:.3f} | {g / pooled:.2f} | {better}/{len(rs)} seeds | {margin:+.3f} | "
+            print(f"| {setting} | {RECIPES[key].name} | {g:.3f} | {pooled:.3f} | {g / pooled:.2f} | {better}/{len(rs)} seeds | {counts} | {margin:+.3f} | "
                   + dp_columns)
 
 

@@ -153,8 +153,10 @@ def test_the_quality_bench_compares_on_your_own_folders(tmp_path):
     row = next(line for line in run.stdout.splitlines() if line.startswith("| folders |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert 0.0 <= float(cells[2]) <= 1.0 and 0.0 <= float(cells[3]) <= 1.0 and cells[5].endswith("/1 seeds"), row
-    dp_mean, dp_worst = (float(v) for v in cells[8].split(","))  # DP served - served: mean, worst factory
-    assert 0.0 <= float(cells[7]) <= 1.0 and -1.0 <= dp_worst <= dp_mean <= 1.0, row
+    better, tied, worse = (int(v.split("(")[0]) for v in cells[6].split(" / "))  # served vs local, counted over the 2 factories
+    assert better + tied + worse == 2 and "(" in cells[6], row
+    dp_mean, dp_worst = (float(v) for v in cells[9].split(","))  # DP served - served: mean, worst factory
+    assert 0.0 <= float(cells[8]) <= 1.0 and -1.0 <= dp_worst <= dp_mean <= 1.0, row
 
     (tmp_path / "root" / "plant-b" / "test").rename(tmp_path / "elsewhere")
     run = subprocess.run([sys.executable, str(bench), "--folders", str(tmp_path / "root")], capture_output=True, text=True, timeout=120, check=False)
