@@ -69,15 +69,13 @@ class FederationSupervisor(threading.Thread):
         if run is not None and run.status != "running":
             log.info("run %s ended: %s", self.active, run.status)
             if run.status != "finished":
-                self.unstopped.add(self.active)
-                self._stop_unstopped()
+                self._stop_in_flower(self.active)
             self.active = None
             return
         if run is not None and process_gone(run.config.get(SERVERAPP_KEY)):
             log.warning("run %s: its ServerApp (pid %s) is gone; stopping the Flower run and resuming", self.active,
                         run.config[SERVERAPP_KEY].get("pid"))
-            self.unstopped.add(self.active)
-            self._stop_unstopped()
+            self._stop_in_flower(self.active)
             self.registry.finish_run(run.id, "interrupted", "the ServerApp process died; the federation resumes from the last version")
             self.active = None
             return
@@ -88,6 +86,11 @@ class FederationSupervisor(threading.Thread):
                 self.registry.finish_run(run.id, "interrupted", f"Flower run ended as {status}; the federation resumes from the last version")
             log.warning("run %s was interrupted (%s); resuming", self.active, status)
             self.active = None
+
+    def _stop_in_flower(self, run_id: str) -> None:
+        """Stop ``run_id`` in Flower now, or on a later tick if the SuperLink cannot take it yet."""
+        self.unstopped.add(run_id)
+        self._stop_unstopped()
 
     def _stop_unstopped(self) -> None:
         """Stop in Flower the runs that ended in FedForge (see the module's docstring); the ones the SuperLink cannot take

@@ -232,6 +232,7 @@ def test_central_site_crashes_resume_from_the_registry(tmp_path, no_leftover_pro
 
     from common.procs import wait_for_port
     from common.signing import load_public, verify_manifest, verify_weights
+    from server import launch
     from server.dashboard.app import DashboardSettings, serve_dashboard
 
     with ProcessSet(tmp_path / "logs") as procs:
@@ -261,8 +262,6 @@ def test_central_site_crashes_resume_from_the_registry(tmp_path, no_leftover_pro
         for pid in _pids("flwr-serverapp"):
             os.kill(pid, signal.SIGKILL)
         wait_for(lambda: 3 in completed_rounds() and all(r.status != "running" for r in registry.runs()), "round 3 after the ServerApp kill")
-        from server import launch
-
         # both interrupted runs were stopped in Flower by the supervisor, not left to lapse (a restarted SuperLink keeps a run
         # of a dead ServerApp running for a minute, and a SuperNode stuck on one of its messages takes no other)
         interrupted = [run.id.removeprefix("run-") for run in registry.runs() if run.status == "interrupted"]
