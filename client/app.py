@@ -22,7 +22,8 @@ from client import simulation
 from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
 from common.secagg.messages import RECORD, STAGES, split_next, with_next
 from common.secagg.wire import from_values, to_values
-from common.tensors import from_tensor, from_tensors, to_tensor, to_tensors
+from common.tensors import from_tensor, to_tensor
+from common.wire import record_of_tensors, tensors_of_record
 
 app = ClientApp()
 log = logging.getLogger("fedforge.client")
@@ -70,12 +71,11 @@ class _RaisingContext:
 
 
 def _request_parts(msg: Message) -> tuple[list[edge_pb2.Tensor], struct_pb2.Struct, int]:
-    arrays = msg.content["arrays"]
-    weights = OrderedDict((name, arr.numpy()) for name, arr in arrays.items())
+    tensors = tensors_of_record(msg.content["arrays"], "the server's model")  # checked again by the agent
     config = dict(msg.content["config"]) if "config" in msg.content else {}
     struct = struct_pb2.Struct()
     struct.update(config)
-    return to_tensors(weights), struct, int(config.get("server-round", 0))
+    return tensors, struct, int(config.get("server-round", 0))
 
 
 def _call(context: Context, rpc: str, request: Any) -> Any:
@@ -146,7 +146,7 @@ def train(msg: Message, context: Context) -> Message:
         arrays = ArrayRecord(OrderedDict(masked=Array(from_tensor(reply.masked))))
         metrics = MetricRecord(dict(reply.metrics))
     else:
-        arrays = ArrayRecord(OrderedDict((name, Array(arr)) for name, arr in from_tensors(reply.weights).items()))
+        arrays = record_of_tensors(reply.weights)
         metrics = MetricRecord({**dict(reply.metrics), "num-examples": int(reply.num_examples)})
     content = RecordDict({"arrays": arrays, "metrics": metrics, "info": ConfigRecord({"factory-id": reply.factory_id, **ahead})})
     if reply.HasField("predictions"):

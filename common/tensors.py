@@ -20,7 +20,7 @@ class UpdateError(ValueError):
 
 
 def to_tensor(name: str, array: np.ndarray) -> edge_pb2.Tensor:
-    array = np.ascontiguousarray(array)
+    array = np.asarray(array, order="C")  # np.ascontiguousarray would turn a 0-d array into shape (1,)
     if array.dtype.name not in ALLOWED_DTYPES:
         raise UpdateError(f"array {name!r} has unsupported dtype {array.dtype}")
     return edge_pb2.Tensor(name=name, shape=list(array.shape), dtype=array.dtype.name, data=array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes())

@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Message, MessageType, RecordDict
+from flwr.app import Message, MessageType, RecordDict
 
 from common.distill import check_predictions, ensemble_of
 from common.evaluation import check_confusion
 from common.tensors import UpdateError
+from common.wire import weights_of_record, weights_record
 from server.aggregate import FactoryUpdate, fedavg, validate_update
 from server.groups import RoundPlan, RoundResult
 from server.messaging import Messenger
@@ -29,17 +30,13 @@ class RoundAborted(RuntimeError):
         self.failures, self.participants = failures, participants
 
 
-def arrays_of(weights: OrderedDict[str, np.ndarray]) -> ArrayRecord:
-    return ArrayRecord(OrderedDict((k, Array(v)) for k, v in weights.items()))
-
-
 def parse_update(messenger: Messenger, node_id: int, reply: Message, like: OrderedDict[str, np.ndarray] | None) -> FactoryUpdate:
     content = reply.content
     factory_id = messenger.name(node_id)
     metrics = {k: float(v) for k, v in content["metrics"].items()}
     update = FactoryUpdate(
         factory_id=factory_id, node_id=node_id,
-        weights=OrderedDict((k, a.numpy()) for k, a in content["arrays"].items()) if like is not None else OrderedDict(),
+        weights=weights_of_record(content["arrays"], f"factory {factory_id}") if like is not None else OrderedDict(),
         num_examples=int(metrics.pop("num-examples", 0)), metrics=metrics,
     )
     if like is not None:
@@ -69,7 +66,7 @@ def parse_confusion(reply: Message, factory_id: str, num_classes: int) -> np.nda
 
 def plain_round(messenger: Messenger, plan: RoundPlan, send_weights: bool, min_factories: int, timeout: float, max_weight: int,
                 failures: dict[str, str]) -> RoundResult:
-    contents = {arch: RecordDict({"arrays": arrays_of(line.weights), "config": plan.message_config(arch, send_weights)})
+    contents = {arch: RecordDict({"arrays": weights_record(line.weights), "config": plan.message_config(arch, send_weights)})
                 for arch, line in plan.lines.items()}
     replies = messenger.exchange(plan.nodes, MessageType.TRAIN, plan.server_round, lambda n: contents[plan.architecture_of[n]], timeout, failures)
     updates: dict[str, list[FactoryUpdate]] = {}
@@ -111,7 +108,7 @@ def plain_round(messenger: Messenger, plan: RoundPlan, send_weights: bool, min_f
 
 def plain_evaluation(messenger: Messenger, plan: RoundPlan, timeout: float, failures: dict[str, str]) -> RoundResult:
     """The evaluate-only phase after the last round, in the clear: each factory's confusion counts, summed per group."""
-    contents = {arch: RecordDict({"arrays": arrays_of(line.weights), "config": plan.message_config(arch, False)})
+    contents = {arch: RecordDict({"arrays": weights_record(line.weights), "config": plan.message_config(arch, False)})
                 for arch, line in plan.lines.items()}
     replies = messenger.exchange(plan.nodes, MessageType.EVALUATE, plan.server_round, lambda n: contents[plan.architecture_of[n]], timeout, failures)
     result = RoundResult(failures=failures)

@@ -28,10 +28,11 @@ from common.secagg.layout import SecureLayout, Sums, apply_group_sum
 from common.secagg.messages import RECORD, MaskedInput, MessageError, Shares, Unmask, split_next, with_next
 from common.secagg.primitives import session_id
 from common.tensors import check_like
+from common.wire import weights_record
 from server.config import FederationConfig
 from server.groups import RoundPlan, RoundResult
 from server.messaging import Messenger
-from server.plain_round import RoundAborted, arrays_of
+from server.plain_round import RoundAborted
 from server.reduce import privacy_of, secure_means, shared_of
 from server.secure_sum import KeyedSession, KeyExchange, SecAggAborted, auto_degree
 
@@ -74,7 +75,7 @@ class SecureRounds:
             confusion=self._evaluated_groups(members), metrics=True)
         if not layout.groups and not layout.predictions:
             raise RoundAborted("no factory can contribute under secure aggregation (groups of one, no distillation)", failures, [])
-        arrays = {arch: arrays_of(line.weights) for arch, line in plan.lines.items()}  # once per group, not per factory
+        arrays = {arch: weights_record(line.weights) for arch, line in plan.lines.items()}  # once per group, not per factory
 
         def content(node: int) -> RecordDict:
             arch = plan.architecture_of[node]
@@ -89,7 +90,7 @@ class SecureRounds:
         layout = SecureLayout.of({}, 0, plan.num_classes, confusion=self._evaluated_groups(members))
         if not layout.confusion:
             raise RoundAborted("no group has two factories to evaluate its model securely", failures, [])
-        arrays = {arch: arrays_of(line.weights) for arch, line in plan.lines.items()}
+        arrays = {arch: weights_record(line.weights) for arch, line in plan.lines.items()}
 
         def content(node: int) -> RecordDict:
             arch = plan.architecture_of[node]

@@ -63,6 +63,55 @@ def test_tensor_roundtrip_and_corrupt_bytes():
         from_tensors([t])
 
 
+
+def _message_objects(record) -> int:
+    """How many content objects Flower moves, one request per hop each, for a train message's content holding ``record``."""
+    from flwr.app import ConfigRecord, RecordDict
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+    return len(get_all_nested_objects(RecordDict({"arrays": record, "config": ConfigRecord({"server-round": 1})})))
+
+
+def test_weights_travel_in_one_flower_array_whatever_the_number_of_tensors():
+    """The packed record round-trips names, dtypes and values; its object count does not grow with the tensors
+    (one Array per tensor costs about two objects each, every one its own request at every hop)."""
+    from flwr.app import Array, ArrayRecord
+
+    from common.wire import weights_of_record, weights_record
+
+    arrays = OrderedDict((f"layer{i}.weight", np.full((i + 1, 3), i, np.float32)) for i in range(22))
+    arrays["bn.num_batches_tracked"] = np.array(7, np.int64)
+    back = weights_of_record(weights_record(arrays), "test")
+    assert list(back) == list(arrays)
+    assert all(np.array_equal(arrays[k], back[k]) and arrays[k].dtype == back[k].dtype and arrays[k].shape == back[k].shape for k in arrays)
+    per_tensor = ArrayRecord(OrderedDict((k, Array(v)) for k, v in arrays.items()))
+    assert _message_objects(weights_record(arrays)) <= 6 < 2 * len(arrays) <= _message_objects(per_tensor)
+    assert _message_objects(weights_record(arrays)) == _message_objects(weights_record(OrderedDict(list(arrays.items())[:2])))
+
+
+def test_a_malformed_weights_record_is_refused_naming_its_source():
+    from flwr.app import Array, ArrayRecord
+
+    from common.wire import WEIGHTS_KEY, weights_of_record, weights_record
+
+    good = weights_record(OrderedDict(a=np.ones((2, 3), np.float32)))
+    blob = good[WEIGHTS_KEY].numpy()
+    cases = {
+        "per-tensor arrays": (ArrayRecord(OrderedDict(a=Array(np.ones((2, 3), np.float32)))), "expected one array"),
+        "an extra array": (ArrayRecord(OrderedDict({WEIGHTS_KEY: Array(blob), "x": Array(blob)})), "expected one array"),
+        "float bytes": (ArrayRecord(OrderedDict({WEIGHTS_KEY: Array(blob.astype(np.float32))})), "1-d uint8"),
+        "a truncated blob": (ArrayRecord(OrderedDict({WEIGHTS_KEY: Array(blob[:-5].copy())})), "factory f"),
+        "random bytes": (ArrayRecord(OrderedDict({WEIGHTS_KEY: Array(np.frombuffer(b"\xff" * 40, np.uint8))})), "not a serialised TensorList"),
+    }
+    for case, (record, match) in cases.items():
+        with pytest.raises(UpdateError, match=match) as err:
+            weights_of_record(record, "factory f")
+        assert str(err.value).startswith("factory f"), case
+    twice = to_tensors(OrderedDict(a=np.ones(2, np.float32)))
+    from common.wire import record_of_tensors
+    with pytest.raises(UpdateError, match="factory f: tensor 'a' appears twice"):
+        weights_of_record(record_of_tensors(twice + twice), "factory f")
+
 def test_a_lost_superlink_interrupts_the_run_and_a_fedforge_error_fails_it():
     """The supervisor resumes interrupted runs; a run is 'failed' only for FedForge's own errors."""
     import httpx

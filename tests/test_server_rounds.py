@@ -23,6 +23,7 @@ from client.data import DataRequest
 from common.procs import free_port
 from common.secagg.messages import RECORD, split_next, with_next
 from common.training import TrainConfig
+from common.wire import WEIGHTS_KEY, weights_of_record, weights_record
 from server.federation import Federation, FederationConfig
 from server.registry.service import Registry
 
@@ -75,10 +76,10 @@ def factory(name: str, transform: Callable[[OrderedDict], OrderedDict], architec
             return Message(RecordDict({"info": info}), reply_to=msg)
         if msg.metadata.message_type == "query.proxy":
             return Message(RecordDict({"info": info, "proxy": ConfigRecord({"have": True})}), reply_to=msg)
-        weights = OrderedDict((k, a.numpy()) for k, a in msg.content["arrays"].items())
+        weights = weights_of_record(msg.content["arrays"], "the server's model")
         out = transform(weights) if msg.content["config"].get("send-weights", True) else OrderedDict()
         content = RecordDict({
-            "arrays": ArrayRecord(OrderedDict((k, Array(v)) for k, v in out.items())),
+            "arrays": weights_record(out),
             "metrics": MetricRecord({"num-examples": 100, "train-loss": 1.0}),
             "info": info,
         })
@@ -93,7 +94,7 @@ def agent_node(agent, recorded: dict[str, list], drops: Callable[[Message, str],
     """What a SuperNode does with a message: run the FedForge ClientApp handler, pointed at a real edge agent.
 
     ``recorded["messages"]`` gets (round, message type, factory, carries next-session stage) for each
-    message; ``recorded["server-saw"]`` every array the server received; ``drops`` silences replies.
+    message; ``recorded["server-saw"]`` every array the server received (a model's, one by one); ``drops`` silences replies.
     """
     factory_id = agent.trainer.cfg.factory_id
     context = Context(run_id=1, node_id=0, node_config={"agent-address": agent.trainer.cfg.listen, "factory-id": factory_id},
@@ -110,7 +111,8 @@ def agent_node(agent, recorded: dict[str, list], drops: Callable[[Message, str],
         reply = handlers[kind](msg, context)
         recorded.setdefault("records", []).append((kind, sorted(msg.content.keys()), sorted(reply.content.keys())))
         for record in reply.content.array_records.values():
-            recorded.setdefault("server-saw", []).extend((name, arr.numpy()) for name, arr in record.items())
+            arrays = weights_of_record(record, factory_id) if WEIGHTS_KEY in record else {name: arr.numpy() for name, arr in record.items()}
+            recorded.setdefault("server-saw", []).extend(arrays.items())
         return reply
     return handle
 

@@ -19,6 +19,12 @@ class Tensor(_message.Message):
     data: bytes
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class TensorList(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+
 class Value(_message.Message):
     __slots__ = ("int", "data", "real", "ints", "blobs", "text")
     INT_FIELD_NUMBER: _ClassVar[int]
