@@ -45,7 +45,9 @@ def tensors_of_record(record: ArrayRecord, source: str) -> list[edge_pb2.Tensor]
     """The tensors a `weights_record` holds; raises `UpdateError` naming ``source`` if it is not one."""
     keys = list(record.keys())
     if keys != [WEIGHTS_KEY]:
-        raise UpdateError(f"{source}: the weights record holds {keys[:4]}, expected one array {WEIGHTS_KEY!r}")
+        hint = "; one array per tensor is how FedForge sent weights before common/wire.py: run one FedForge version at both ends" if (
+            keys and WEIGHTS_KEY not in keys) else ""
+        raise UpdateError(f"{source}: the weights record holds {keys[:4]}, expected one array {WEIGHTS_KEY!r}{hint}")
     array = record[WEIGHTS_KEY]
     if array.dtype != "uint8" or len(array.shape) != 1:
         raise UpdateError(f"{source}: the weights array is {array.dtype} of shape {tuple(array.shape)}, expected a 1-d uint8 array")

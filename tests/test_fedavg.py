@@ -97,7 +97,7 @@ def test_a_malformed_weights_record_is_refused_naming_its_source():
     good = weights_record(OrderedDict(a=np.ones((2, 3), np.float32)))
     blob = good[WEIGHTS_KEY].numpy()
     cases = {
-        "per-tensor arrays": (ArrayRecord(OrderedDict(a=Array(np.ones((2, 3), np.float32)))), "expected one array"),
+        "per-tensor arrays": (ArrayRecord(OrderedDict(a=Array(np.ones((2, 3), np.float32)))), "one FedForge version at both ends"),
         "an extra array": (ArrayRecord(OrderedDict({WEIGHTS_KEY: Array(blob), "x": Array(blob)})), "expected one array"),
         "float bytes": (ArrayRecord(OrderedDict({WEIGHTS_KEY: Array(blob.astype(np.float32))})), "1-d uint8"),
         "a truncated blob": (ArrayRecord(OrderedDict({WEIGHTS_KEY: Array(blob[:-5].copy())})), "factory f"),
