@@ -4,8 +4,8 @@ Flower 1.42 moves every ``Array`` of a message as content objects of their own (
 chunks), and every hop (ServerApp -> SuperLink -> SuperNode -> ClientApp, and back) transfers each
 object in its own HTTP request, while the next hop backs off on objects that have not arrived yet.
 So a message's transfer time grows with its number of tensors, not its bytes: `cnn-small`'s 22
-tensors (320 KB) made about 60 objects per message, and a plain round on loopback spent about 5 s
-moving its two messages (docs/benchmarks.md, "Federation round overhead").
+tensors (320 KB) made a train message's content 47 objects (5 now), and a plain round on loopback spent
+about 5 s moving its two messages (docs/benchmarks.md, "Federation round overhead").
 
 Here the tensors are serialised as one ``TensorList`` (protos/fedforge/v1/edge.proto) in a single
 uint8 ``Array`` under ``WEIGHTS_KEY``: the same ``Tensor`` encoding, and the same checks, as the
