@@ -60,9 +60,8 @@ def tensors_of_record(record: ArrayRecord, source: str) -> list[edge_pb2.Tensor]
 
 def weights_of_record(record: ArrayRecord, source: str) -> OrderedDict[str, np.ndarray]:
     """The named arrays a `weights_record` holds, checked (dtypes, byte counts, unique names)."""
+    tensors = tensors_of_record(record, source)
     try:
-        return from_tensors(tensors_of_record(record, source))
+        return from_tensors(tensors)
     except UpdateError as exc:
-        if str(exc).startswith(source):
-            raise
         raise UpdateError(f"{source}: {exc}") from exc

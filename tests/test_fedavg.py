@@ -63,7 +63,6 @@ def test_tensor_roundtrip_and_corrupt_bytes():
         from_tensors([t])
 
 
-
 def _message_objects(record) -> int:
     """How many content objects Flower moves, one request per hop each, for a train message's content holding ``record``."""
     from flwr.app import ConfigRecord, RecordDict
@@ -92,7 +91,7 @@ def test_weights_travel_in_one_flower_array_whatever_the_number_of_tensors():
 def test_a_malformed_weights_record_is_refused_naming_its_source():
     from flwr.app import Array, ArrayRecord
 
-    from common.wire import WEIGHTS_KEY, weights_of_record, weights_record
+    from common.wire import WEIGHTS_KEY, record_of_tensors, weights_of_record, weights_record
 
     good = weights_record(OrderedDict(a=np.ones((2, 3), np.float32)))
     blob = good[WEIGHTS_KEY].numpy()
@@ -108,9 +107,9 @@ def test_a_malformed_weights_record_is_refused_naming_its_source():
             weights_of_record(record, "factory f")
         assert str(err.value).startswith("factory f"), case
     twice = to_tensors(OrderedDict(a=np.ones(2, np.float32)))
-    from common.wire import record_of_tensors
     with pytest.raises(UpdateError, match="factory f: tensor 'a' appears twice"):
         weights_of_record(record_of_tensors(twice + twice), "factory f")
+
 
 def test_a_lost_superlink_interrupts_the_run_and_a_fedforge_error_fails_it():
     """The supervisor resumes interrupted runs; a run is 'failed' only for FedForge's own errors."""
