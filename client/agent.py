@@ -312,8 +312,15 @@ def personal_chooser(trainer: FactoryTrainer, lock: threading.Lock) -> Any:
 def serve(cfg: AgentConfig) -> Agent:
     """Load the factory's data, start its worker group, and serve the control plane on ``cfg.listen`` (this host only)
     and, with a registry, Inspection on ``cfg.inspection_listen``."""
-    trainer = FactoryTrainer(cfg)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
+    socket_path = Path(cfg.listen.removeprefix("unix:")) if cfg.listen.startswith("unix:") else None
+    if socket_path is not None:  # the socket's directory is what the SuperNode's user or container is given
+        socket_path.parent.mkdir(mode=0o770, parents=True, exist_ok=True)
+    # Bound before the data and the worker group load (seconds, more with DDP), so that the port is taken at once; nothing
+    # is served until start().
+    if server.add_insecure_port(cfg.listen) == 0 and socket_path is None:
+        raise RuntimeError(f"edge agent could not listen on {cfg.listen}")
+    trainer = FactoryTrainer(cfg)
     servicer = EdgeAgentServicer(trainer)
     edge_pb2_grpc.add_EdgeAgentServicer_to_server(servicer, server)
     follower = inspection = None
@@ -331,11 +338,6 @@ def serve(cfg: AgentConfig) -> Agent:
                                     state_path=Path(cfg.state_dir) / "releases.json")
         servicer.after_round = follower.reconsider
         servicer.serving_description = lambda: f"{serving.current().label}: {serving.description}" if serving.version else ""
-    socket_path = Path(cfg.listen.removeprefix("unix:")) if cfg.listen.startswith("unix:") else None
-    if socket_path is not None:  # the socket's directory is what the SuperNode's user or container is given
-        socket_path.parent.mkdir(mode=0o770, parents=True, exist_ok=True)
-    if server.add_insecure_port(cfg.listen) == 0 and socket_path is None:
-        raise RuntimeError(f"edge agent could not listen on {cfg.listen}")
     server.start()
     if socket_path is not None:  # the agent's user and group only (the SuperNode's user is in the group), whatever the umask
         os.chmod(socket_path, 0o660)

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from client.config import DEFAULT_CLASSES, AgentConfig
-from common.procs import ProcessSet, keep_running, supernode_command, supernode_env
+from common.procs import ProcessSet, free_port, keep_running, supernode_command, supernode_env
 
 log = logging.getLogger("fedforge.client")
 STABLE_SECONDS = 60.0  # a SuperNode that ran this long had connected: its next exit starts the backoff afresh
@@ -115,7 +115,8 @@ def agent(**kw: object) -> None:
 def supernode_options(f):  # type: ignore[no-untyped-def]
     options = [
         click.option("--superlink", default="127.0.0.1:8000", help="The central SuperLink's address."),
-        click.option("--supernode-port", default=9094, type=int, help="Local port of this SuperNode's runtime API (one per host)."),
+        click.option("--supernode-port", default=9094, type=click.IntRange(0, 65535),
+                     help="Local port of this SuperNode's runtime API (one per host); 0 picks a free one at every (re)start."),
         click.option("--workdir", default="fedforge-factory", type=click.Path(file_okay=False), help="Logs of the SuperNode."),
         click.option("--insecure/--tls", default=True, help="Plain HTTP to the SuperLink (loopback demos only) or TLS."),
         click.option("--root-certificates", default=None, type=click.Path(dir_okay=False, exists=True), help="The federation's CA (ca.pem) for TLS."),
@@ -131,7 +132,7 @@ def run_supernode(factory_id: str, agent_address: str, superlink: str, supernode
     """Flower's SuperNode (with FedForge's patches, `client.supernode`) forwarding to the agent at ``agent_address``,
     restarted whenever it exits, until Ctrl-C."""
     node_config = f"factory-id='{factory_id}' agent-address='{agent_address}'"
-    cmd = [*supernode_command(), "--superlink", superlink, "--port", str(supernode_port), "--node-config", node_config]
+    cmd = [*supernode_command(), "--superlink", superlink, "--node-config", node_config]
     if insecure:
         cmd.append("--insecure")
     elif not root_certificates:
@@ -144,7 +145,7 @@ def run_supernode(factory_id: str, agent_address: str, superlink: str, supernode
         try:
             # After a crash the SuperLink refuses the same (authenticated) node until its heartbeat lapses
             # (up to 60 s in Flower 1.42), so keep retrying every few seconds rather than backing off further.
-            keep_running(procs, "supernode", cmd, f"factory {factory_id}: SuperNode", env=supernode_env(), max_delay=MAX_RESTART_DELAY,
+            keep_running(procs, "supernode", lambda: [*cmd, "--port", str(supernode_port or free_port())], f"factory {factory_id}: SuperNode", env=supernode_env(), max_delay=MAX_RESTART_DELAY,
                          stable_seconds=STABLE_SECONDS,
                          on_start=lambda proc: log.info("factory %s: SuperNode pid %d dialling %s", factory_id, proc.pid, superlink))
         except KeyboardInterrupt:

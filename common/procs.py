@@ -223,7 +223,7 @@ class ProcessSet:
         raise KeyboardInterrupt(f"received signal {signum}")
 
 
-def keep_running(procs: ProcessSet, name: str, cmd: list[str], what: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+def keep_running(procs: ProcessSet, name: str, cmd: list[str] | Callable[[], list[str]], what: str, env: dict[str, str] | None = None, cwd: Path | None = None,
                  on_start: Callable[[subprocess.Popen], None] | None = None, max_delay: float = 30.0, stable_seconds: float = 60.0,
                  stop: threading.Event | None = None) -> None:
     """Run ``cmd`` as child ``name`` of ``procs`` and restart it whenever it exits, until interrupted (KeyboardInterrupt).
@@ -232,11 +232,12 @@ def keep_running(procs: ProcessSet, name: str, cmd: list[str], what: str, env: d
     starts again at 2 s after a run of ``stable_seconds``. What the dead process left behind (a SuperLink's
     ServerApp, a SuperNode's ClientApps) is stopped with it. ``fedforge server`` keeps its SuperLink
     alive this way, ``fedforge client`` its SuperNode. With ``stop`` (run from a thread), it returns once
-    ``stop`` is set and the process has exited.
+    ``stop`` is set and the process has exited. A callable ``cmd`` is called before every start (a SuperNode given
+    ``--supernode-port 0`` gets a port that is free at that moment, each time).
     """
     restarts = failures = 0
     while stop is None or not stop.is_set():
-        proc = procs.start(name, cmd, env=env, cwd=cwd)
+        proc = procs.start(name, cmd() if callable(cmd) else cmd, env=env, cwd=cwd)
         started = time.monotonic()
         if on_start is not None:
             on_start(proc)

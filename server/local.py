@@ -44,7 +44,7 @@ class Factory:
     index: int
     factory_id: str
     agent_address: str
-    supernode_port: int
+    supernode_port: int  # 0: `fedforge client` picks a free port each time it (re)starts the SuperNode
 
 
 @dataclass
@@ -124,7 +124,9 @@ class LocalFederation:
 
     def start_factory(self, index: int, separate_agent: bool = False) -> Factory:
         """One factory; with ``separate_agent`` its agent and SuperNode are separate processes."""
-        f = Factory(index, f"factory-{index}", f"127.0.0.1:{free_port()}", free_port())
+        # A port chosen here stays free only until something else on this host takes it: the agent binds its own at once
+        # and `fedforge client` picks the SuperNode's (0) as it starts it, so no slow start-up (a DDP worker group) sits between.
+        f = Factory(index, f"factory-{index}", f"127.0.0.1:{free_port()}", free_port() if separate_agent else 0)
         ff = fedforge_command()
         security = ["--insecure"]
         if self.tls:

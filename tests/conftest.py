@@ -32,6 +32,16 @@ def federation_pids() -> set[int]:
     return pids
 
 
+def log_tails(workdir: Path, lines: int = 12) -> str:
+    """The last lines of every process log under ``workdir``: what a failed run over real processes left behind, for
+    the assertion message (CI keeps nothing else)."""
+    parts = []
+    for log_file in sorted(Path(workdir).rglob("*.log")):
+        tail = log_file.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"--- {log_file.relative_to(workdir)}\n" + "\n".join(line[:300] for line in tail))
+    return "\n".join(parts)
+
+
 @pytest.fixture
 def no_leftover_processes():
     """Fail the test if any Flower/FedForge process it started is still alive afterwards."""

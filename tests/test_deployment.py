@@ -335,3 +335,31 @@ def test_registry_killed_mid_write_leaves_no_half_version(tmp_path):
     assert "ok" in {v.run_id for v in registry.versions()}
     finals = [p for p in (tmp_path / "artifacts").rglob("*.npz") if not p.name.startswith(".tmp-")]
     assert len(finals) == len({v.sha256 for v in registry.versions()})  # no orphan final file either
+
+
+def test_a_restarted_process_gets_a_fresh_command_so_a_port_taken_meanwhile_is_not_retried(tmp_path):
+    """`keep_running` with a callable command (what `fedforge client --supernode-port 0` passes): a process that died
+    because its port was taken is restarted on the port chosen at that moment, not on the taken one again."""
+    import socket
+    import threading
+
+    from common.procs import keep_running
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1], free_port()])
+    started: list[int] = []
+    stop = threading.Event()
+    bind_or_fail = "import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); time.sleep(0.5)"
+
+    def command() -> list[str]:
+        started.append(next(ports))
+        return [sys.executable, "-c", bind_or_fail, str(started[-1])]
+
+    with taken, ProcessSet(tmp_path) as procs:
+        keep_running(procs, "binder", command, "a port binder", stop=stop, stable_seconds=0.0,
+                     on_start=lambda proc: stop.set() if len(started) == 2 else None)
+        assert [p.returncode for _, p in procs.procs] == [0]  # the second start bound its port and exited cleanly
+    assert len(started) == 2 and started[0] != started[1]
+    assert "Address already in use" in (tmp_path / "binder.log").read_text()

@@ -15,7 +15,7 @@ import pytest
 from common.procs import ProcessSet
 from server.local import LocalFederation, wait_for_run
 from server.registry.service import Registry
-from tests.conftest import federation_pids
+from tests.conftest import federation_pids, log_tails
 
 pytestmark = pytest.mark.slow
 CHANCE = 1 / 6
@@ -94,7 +94,7 @@ def test_demo_with_dp_and_ddp(tmp_path, no_leftover_processes):
          "--architecture", "cnn-small", "--set", "personal-epochs=0",  # DDP trains from-scratch CNNs (a frozen backbone's head trains in-process)
          "--workdir", str(tmp_path / "demo"), "--json", str(summary_path)],
         capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + log_tails(tmp_path / "demo")
     summary = json.loads(summary_path.read_text())
     assert [r["status"] for r in summary["rounds"]] == ["completed", "completed"]
     privacy = [v["privacy"] for v in summary["versions"][1:]]
@@ -110,7 +110,7 @@ def _demo(tmp_path, name: str, *flags: str, train_size: int = 600) -> tuple[dict
         [sys.executable, "-m", "common.cli", "demo", "--factories", "3", "--rounds", "2", "--train-size", str(train_size),
          "--workdir", str(tmp_path / name), "--json", str(path), *flags],
         capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + log_tails(tmp_path / name)
     return json.loads(path.read_text()), proc
 
 
