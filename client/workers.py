@@ -8,6 +8,7 @@ worker's queue; all ranks train together; rank 0 answers with the full, unsharde
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import logging
 import multiprocessing as mp
@@ -23,9 +24,11 @@ import torch.distributed as dist
 
 from client.config import AgentConfig
 from client.dp import DPPlan
-from common.procs import _die_with_parent, free_port
+from common.procs import _die_with_parent
 
 log = logging.getLogger(__name__)
+
+STORE_TIMEOUT_S = 300  # how long a rank waits for the others at the rendezvous (the agent's own start-up wait)
 
 
 class WorkerGroupError(RuntimeError):
@@ -56,7 +59,10 @@ class WorkerGroup:
         ctx = mp.get_context("spawn")
         self.jobs = [ctx.Queue() for _ in range(self.world_size)]
         self.results = ctx.Queue()
-        port = free_port()
+        # The agent hosts the group's rendezvous store on a port the kernel gives it as it binds: a port chosen first and
+        # bound later by rank 0 can be taken in between by anything on the host. A restarted group gets a new store.
+        self.store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False)
+        port = self.store.port
         self.procs = [
             ctx.Process(target=_worker_main, args=(rank, self.world_size, port, self.backend, self.cfg, self.parallelism, self.jobs[rank], self.results),
                         daemon=True, name=f"fedforge-{self.parallelism}-rank{rank}")
@@ -64,7 +70,7 @@ class WorkerGroup:
         ]
         for p in self.procs:
             p.start()
-        ready = self._collect(timeout=300)
+        ready = self._collect(timeout=STORE_TIMEOUT_S)
         log.info("%s worker group of %d ranks (%s) ready: pids %s", self.parallelism, self.world_size, self.backend, [r["pid"] for r in ready])
 
     def _collect(self, timeout: float) -> list[dict[str, Any]]:
@@ -88,6 +94,7 @@ class WorkerGroup:
     def run(self, job: Job, timeout: float = 3600) -> dict[str, Any]:
         """Run one training job on every rank; return rank 0's result (weights, metrics, per-rank digests)."""
         if not all(p.is_alive() for p in self.procs):
+            self.close(force=True)  # the survivors too: they belong to the dead group's rendezvous
             self._start()
         for q in self.jobs:
             q.put(job)
@@ -108,6 +115,7 @@ class WorkerGroup:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        self.store = None  # after the workers: they may still use it to leave the group
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,7 +141,8 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, cfg: Agent
         set_torch_threads(cfg.torch_threads)
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         data = factory_data(cfg)
         results.put((rank, "ok", {"pid": os.getpid()}))
     except Exception as exc:  # noqa: BLE001 - reported to the agent, which restarts the group
