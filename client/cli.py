@@ -141,11 +141,15 @@ def run_supernode(factory_id: str, agent_address: str, superlink: str, supernode
         cmd += ["--root-certificates", str(Path(root_certificates).resolve())]
     if auth_key:
         cmd += ["--auth-supernode-private-key", str(Path(auth_key).resolve())]
+
+    def command() -> list[str]:  # --supernode-port 0: a port free at this (re)start, not one that was free earlier
+        return [*cmd, "--port", str(supernode_port or free_port())]
+
     with ProcessSet(Path(workdir) / "logs") as procs:
         try:
             # After a crash the SuperLink refuses the same (authenticated) node until its heartbeat lapses
             # (up to 60 s in Flower 1.42), so keep retrying every few seconds rather than backing off further.
-            keep_running(procs, "supernode", lambda: [*cmd, "--port", str(supernode_port or free_port())], f"factory {factory_id}: SuperNode", env=supernode_env(), max_delay=MAX_RESTART_DELAY,
+            keep_running(procs, "supernode", command, f"factory {factory_id}: SuperNode", env=supernode_env(), max_delay=MAX_RESTART_DELAY,
                          stable_seconds=STABLE_SECONDS,
                          on_start=lambda proc: log.info("factory %s: SuperNode pid %d dialling %s", factory_id, proc.pid, superlink))
         except KeyboardInterrupt:
