@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import skip_init
 
 MIN_PUBLIC_IMAGES = 16  # fewer public images say too little about the domain to choose directions from
 
@@ -103,7 +104,7 @@ class SubspaceHead(nn.Module):
         self.register_buffer("base_bias", head.bias.detach().clone())
         self.register_buffer("mean", torch.from_numpy(subspace.mean.copy()))
         self.register_buffer("basis", torch.from_numpy(subspace.basis.copy()))
-        self.delta = nn.Linear(subspace.dims, head.out_features)
+        self.delta = skip_init(nn.Linear, subspace.dims, head.out_features)  # no draw from torch's global stream (common/rng.py)
         nn.init.zeros_(self.delta.weight)
         nn.init.zeros_(self.delta.bias)
 

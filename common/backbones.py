@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.rng import global_torch_rng
+
 
 class BackboneError(RuntimeError):
     """The pretrained weights are missing or are not the pinned ones."""
@@ -196,7 +198,7 @@ _BACKBONES: dict[BackboneSpec, FrozenBackbone] = {}
 
 def backbone_for(spec: BackboneSpec) -> FrozenBackbone:
     """One frozen backbone per spec per process: every model of that family shares it (it never changes)."""
-    if spec not in _BACKBONES:
-        with torch.random.fork_rng():  # building it draws random initial weights (then replaced): never from the caller's stream
+    with global_torch_rng():  # building it draws random initial weights (then replaced): never from the caller's stream
+        if spec not in _BACKBONES:
             _BACKBONES[spec] = FrozenBackbone(spec)
-    return _BACKBONES[spec]
+        return _BACKBONES[spec]

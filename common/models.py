@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from common.backbones import LITE0_SHA256, BackboneSpec, PretrainedClassifier
+from common.rng import global_torch_rng
 
 
 @dataclass(frozen=True)
@@ -114,11 +115,8 @@ def build_model(architecture: str, num_classes: int, seed: int | None = None, in
     initial (trainable) weights are reproducible. The pretrained family takes grey or RGB input."""
     if num_classes < 2:
         raise ValueError(f"a classifier needs at least two classes, got {num_classes}")
-    if seed is not None:
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            return _build(architecture, num_classes, in_channels)
-    return _build(architecture, num_classes, in_channels)
+    with global_torch_rng(seed):
+        return _build(architecture, num_classes, in_channels)
 
 
 def federated_part(model: nn.Module) -> nn.Module:

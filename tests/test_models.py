@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import sqlite3
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
@@ -315,3 +316,26 @@ def test_cnn_family_still_trains_and_averages_every_weight():
     result = train(model, data, TrainConfig(epochs=1, batch_size=4))
     assert np.isfinite(result.loss) and result.steps == 2
     assert Path(backbones.__file__).name == "backbones.py"
+
+
+def test_seeded_builds_are_reproducible_while_other_threads_build_models():
+    """torch has one global stream per process: an agent's background personal job, its handlers and (in tests and
+    simulation) the server build models at once, and a seeded build must not get another thread's numbers."""
+    reference = {seed: weights_of(build_model(ARCH, 6, seed=seed)) for seed in range(3)}
+    reproduced: dict[int, list[bool]] = {seed: [] for seed in reference}
+
+    def build_again(seed: int) -> None:
+        for _ in range(20):
+            again = weights_of(build_model(ARCH, 6, seed=seed))
+            reproduced[seed].append(all(np.array_equal(again[k], reference[seed][k]) for k in again))
+
+    def build_unseeded() -> None:
+        for _ in range(20):
+            build_model(ARCH, 6)
+
+    threads = [threading.Thread(target=build_again, args=(seed,)) for seed in reference] + [threading.Thread(target=build_unseeded)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert {seed: sum(ok) for seed, ok in reproduced.items()} == {seed: 20 for seed in reference}
