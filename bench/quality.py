@@ -20,6 +20,9 @@ DP, so "DP served - served" is what DP costs on a factory's line, beside what it
 Under DP each factory trains the head within the principal subspace of the public proxy set's features
 (`client.subspace`; the run's `public-subspace`), as a deployment does: the generator's proxy images, or
 ROOT/proxy with `--folders`; `--no-public` trains the whole head instead (what DP gets without public images).
+`--dp-secure-sum` runs the DP factories as `fedforge client --dp-secure-sum` does: one full-batch DP step per round, each
+adding its share of the noise of a secure sum over the complete graph with the default threshold and no tolerated
+colluders (docs/security.md), for `--dp-rounds` rounds (default 30 with it, else the recipe's).
 
 Accuracy of the global and pooled models is on a balanced test set drawn from every factory's optics.
 
@@ -69,8 +72,9 @@ from common.features import FeatureCache, array_keys, features_of
 from common.models import build_model, federated_part, is_pretrained, load_weights, weights_of
 from common.training import TrainConfig, evaluate, set_torch_threads, train
 from server.aggregate import FactoryUpdate, fedavg
-from server.config import FederationConfig
+from server.config import SECURE_SUM_DP_ROUNDS, FederationConfig
 from server.optimizers import ServerOptimizer
+from server.secure_sum import default_threshold
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,7 @@ def factory_test_set(spec: datasets.SyntheticSpec, index: int, size: int) -> Ima
 
 class Bench:
     def __init__(self, seed: int, factories: int, alpha: float, train_size: int, workdir: Path, tag: str, dp_epsilon: float = 0.0,
-                 rounds: int = 1, folders: Folders | None = None, public: bool = True) -> None:
+                 rounds: int = 1, folders: Folders | None = None, public: bool = True, secure_sum: bool = False) -> None:
         self.spec = datasets.SyntheticSpec(seed=seed, num_factories=factories, alpha=alpha, train_size=train_size)
         self.seed, self.folders = seed, folders
         self.classes = folders.classes if folders else tuple(synth.CLASSES)
@@ -154,8 +158,10 @@ class Bench:
         self.trainers = [FactoryTrainer(AgentConfig(
             factory_id=f"f{i}", factory_index=i, num_factories=factories, data_seed=seed, alpha=alpha, train_size=train_size,
             data=str(folders.factories[i] / "train") if folders else "synthetic", classes=",".join(self.classes),
-            state_dir=str(state / f"f{i}"), dp=dp_epsilon > 0, dp_epsilon=dp_epsilon or 8.0, dp_planned_rounds=rounds))
+            state_dir=str(state / f"f{i}"), dp=dp_epsilon > 0, dp_epsilon=dp_epsilon or 8.0, dp_planned_rounds=rounds, dp_secure_sum=secure_sum))
             for i in range(factories)]
+        # the honest inputs of a secure round's sum over the complete graph, default threshold, no tolerated colluders
+        self.noise_holders = default_threshold(factories) if secure_sum else 1
         for trainer in self.trainers:  # one feature cache for every run of the bench (features depend on the images only)
             trainer.features = FeatureCache(workdir / "bench-features.db")
         if folders:
@@ -201,7 +207,8 @@ class Bench:
         for r in range(1, recipe.rounds + 1):
             updates = []
             for i, trainer in enumerate(self.trainers):
-                local = trainer.train(weights, self.config(recipe, r), r, run_id=f"bench-{recipe.name}", public=self.public)
+                local = trainer.train(weights, self.config(recipe, r), r, run_id=f"bench-{recipe.name}", public=self.public,
+                                      noise_holders=self.noise_holders)
                 train_seconds += local.metrics["train-seconds"]
                 updates.append(FactoryUpdate(f"f{i}", i, local.weights, local.examples))
             weights = optimizer.step(weights, fedavg(updates, like=weights))
@@ -258,6 +265,8 @@ def main() -> None:
     p.add_argument("--recipes", default="default,cnn", help=f"comma-separated of {sorted(RECIPES)}")
     p.add_argument("--dp", action="store_true", help="also run the first recipe with DP-SGD at epsilon 8 per factory over the run")
     p.add_argument("--no-public", action="store_true", help="with --dp: no public proxy set, DP-SGD trains the whole head")
+    p.add_argument("--dp-secure-sum", action="store_true", help="with --dp: the factories share the secure sum's DP noise (--dp-secure-sum)")
+    p.add_argument("--dp-rounds", type=int, default=0, help="with --dp: rounds of the DP run (default: 30 with --dp-secure-sum, else the recipe's)")
     p.add_argument("--train-size", type=int, default=600)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--workdir", default=None, help="feature cache and factory state (default: a temporary directory)")
@@ -281,10 +290,12 @@ def main() -> None:
                 fed, base = bench.federate(recipe), bench.pooled_and_local(recipe)
                 row = {"setting": setting, "recipe": recipe.name, "seed": seed, **fed, **base, "seconds": time.perf_counter() - t0}
                 if a.dp and key == a.recipes.split(",")[0]:
-                    dp_bench = Bench(seed, factories, alpha, a.train_size, workdir, key, dp_epsilon=8.0, rounds=recipe.rounds, folders=folders,
-                                     public=not a.no_public)
+                    dp_recipe = replace(recipe, name=recipe.name + " DP", rounds=a.dp_rounds or (SECURE_SUM_DP_ROUNDS if a.dp_secure_sum else recipe.rounds))
+                    dp_bench = Bench(seed, factories, alpha, a.train_size, workdir, key, dp_epsilon=8.0, rounds=dp_recipe.rounds, folders=folders,
+                                     public=not a.no_public, secure_sum=a.dp_secure_sum)
                     row["dp_public_images"] = len(dp_bench.public) if dp_bench.public is not None else 0
-                    dp = dp_bench.federate(replace(recipe, name=recipe.name + " DP"))
+                    row["dp_rounds"], row["dp_noise_holders"] = dp_recipe.rounds, dp_bench.noise_holders
+                    dp = dp_bench.federate(dp_recipe)
                     # the personal model never leaves its factory, so it is trained without DP: what the line gets under DP
                     row["dp_accuracy"], row["dp_served"] = dp["accuracy"], dp["served"]
                 rows.append(row)

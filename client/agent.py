@@ -70,7 +70,10 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
             proxy = self._proxy_for(config)  # likewise: a distillation round needs the proxy set already here
             send_weights = bool(config.get("send-weights", True))
             global_weights = from_tensors(request.weights)
-            local = self.trainer.train(global_weights, config, request.server_round, request.run_id, public=self._public_for(config))
+            # the honest inputs of the sum this update goes into, from the session this factory checked itself (never the server's word)
+            holders = session.honest_inputs() if session is not None else 1
+            local = self.trainer.train(global_weights, config, request.server_round, request.run_id, public=self._public_for(config),
+                                       noise_holders=holders)
             log.info("round %d: trained on %d examples, loss %.4f%s; %.1fs since the request arrived (%.1fs waiting for the agent, "
                      "%.1fs training)", request.server_round, local.examples, local.metrics["train-loss"], " (secure)" if secure else "",
                      time.monotonic() - arrived, waited, local.metrics["train-seconds"])

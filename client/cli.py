@@ -73,6 +73,10 @@ def agent_options(f):  # type: ignore[no-untyped-def]
         click.option("--dp-planned-rounds", default=20, type=int, help="Rounds the budget is planned for (sets the noise)."),
         click.option("--dp-grad-sample-mode", default="hooks", type=click.Choice(["hooks", "ew", "functorch", "ghost"]), help="Opacus per-sample gradient mode."),
         click.option("--dp-fix-model/--no-dp-fix-model", default=False, help="Replace BatchNorm by GroupNorm instead of refusing the model."),
+        click.option("--dp-secure-sum/--no-dp-secure-sum", default=False, help="Share the DP noise of the secure sum: one full-batch DP step "
+                     "per round, adding 1/(threshold - secagg-colluders) of the noise variance; epsilon then holds against whoever sees "
+                     "only sums, if at most --secagg-colluders factories of a session collude or add no noise (docs/security.md). "
+                     "Outside a secure sum the factory adds all of it."),
     ]
     for option in reversed(options):
         f = option(f)

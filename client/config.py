@@ -56,6 +56,7 @@ class AgentConfig:
     dp_planned_rounds: int = 20
     dp_grad_sample_mode: str = "hooks"
     dp_fix_model: bool = False
+    dp_secure_sum: bool = False  # share the secure sum's noise with its other honest inputs (docs/security.md)
 
     def validated(self) -> AgentConfig:
         self.privacy_budget()  # raises ValueError naming the bad --dp-* option
@@ -78,7 +79,8 @@ class AgentConfig:
 
         if not self.dp:
             return None
-        return PrivacyBudget(self.dp_epsilon, self.dp_delta, self.dp_max_grad_norm, self.dp_planned_rounds, self.dp_grad_sample_mode)
+        return PrivacyBudget(self.dp_epsilon, self.dp_delta, self.dp_max_grad_norm, self.dp_planned_rounds, self.dp_grad_sample_mode,
+                             secure_sum=self.dp_secure_sum)
 
     @property
     def memory_limit(self) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -123,6 +124,58 @@ def train_private(model: nn.Module, data: ImageSet, cfg: TrainConfig, plan: DPPl
         model, make_optimizer(model, cfg), loader, plan.noise_multiplier, plan.max_grad_norm, plan.grad_sample_mode, poisson_sampling=True
     )
     return run_dp_epochs(private_model, private_opt, criterion, private_loader, cfg, examples=len(data), step_on_empty=False)
+
+
+def noisy_gradient_step(model: nn.Module, data: ImageSet, lr: float, noise_multiplier: float, max_grad_norm: float,
+                        chunk: int = 512) -> TrainResult:
+    """One DP gradient step over the whole of ``data``: the Gaussian mechanism on the sum of per-example gradients.
+
+    Each example's gradient (at the weights ``model`` holds) is clipped to ``max_grad_norm``; their sum gets Gaussian
+    noise of standard deviation ``noise_multiplier * max_grad_norm`` (drawn from a generator seeded by ``os.urandom``),
+    and the trainable parameters move by ``-lr * (sum + noise) / len(data)``. This is what a factory that shares the
+    secure sum's noise sends (``--dp-secure-sum``, docs/security.md): its weighted update, summed with the others' in the
+    secure sum, is one DP-SGD step over every factory's images with the noise of all of them. Per-example gradients come
+    from ``torch.func`` in chunks, so memory stays bounded whatever the split's size.
+    """
+    from torch.func import functional_call, grad, vmap
+
+    n = len(data)
+    if n == 0:
+        raise ValueError("a DP gradient step needs at least one training image; this factory's training split is empty")
+    trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    fixed = {name: p.detach() for name, p in model.named_parameters() if not p.requires_grad}
+    buffers = dict(model.named_buffers())
+    model.train()
+
+    def loss_of(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = functional_call(model, ({**params, **fixed}, buffers), (x.unsqueeze(0),))
+        return F.cross_entropy(logits.float(), y.unsqueeze(0))
+
+    per_example = vmap(grad(loss_of), in_dims=(None, 0, 0))
+    detached = {name: p.detach() for name, p in trainable.items()}
+    total = {name: torch.zeros_like(p) for name, p in detached.items()}
+    labels = torch.from_numpy(np.asarray(data.labels, dtype=np.int64))
+    loss_sum, correct = 0.0, 0
+    for start in range(0, n, chunk):
+        index = np.arange(start, min(n, start + chunk))
+        x, y = torch.from_numpy(data.images_at(index)), labels[index]
+        grads = per_example(detached, x, y)
+        norms = torch.sqrt(sum(g.reshape(len(index), -1).pow(2).sum(1) for g in grads.values()))
+        factor = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)  # Opacus' per-example clipping factor
+        for name, g in grads.items():
+            total[name] += torch.einsum("i,i...->...", factor, g)
+        with torch.no_grad():
+            logits = functional_call(model, ({**detached, **fixed}, buffers), (x,)).float()
+            loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
+            correct += int((logits.argmax(1) == y).sum())
+    generator = _urandom_generator()
+    with torch.no_grad():
+        for name, p in trainable.items():
+            noise = torch.normal(0.0, noise_multiplier * max_grad_norm, size=p.shape, generator=generator)
+            p.sub_(lr * (total[name] + noise.to(p.dtype)) / n)
+    if not all(torch.isfinite(p).all() for p in trainable.values()):
+        raise FloatingPointError("the DP gradient step gave non-finite weights; lower secure-sum-lr")
+    return TrainResult(loss=loss_sum / n, accuracy=correct / n, steps=1, examples=n)
 
 
 def run_dp_epochs(private_model: nn.Module, private_opt: Any, criterion: Any, private_loader: DataLoader, cfg: TrainConfig, examples: int,

@@ -28,6 +28,9 @@ class PrivacyBudget:
     max_grad_norm: float = 1.0
     planned_rounds: int = 20  # the noise is chosen so that this many rounds fit the budget
     grad_sample_mode: str = "hooks"  # hooks | ew | functorch | ghost (ghost_fsdp under FSDP)
+    # One full-batch DP step per round whose noise this factory shares with the other honest inputs of the secure sum
+    # (--dp-secure-sum; client.trainer, docs/security.md); False: local DP-SGD, every update private on its own
+    secure_sum: bool = False
 
     def __post_init__(self) -> None:
         if not (self.epsilon_max > 0 and math.isfinite(self.epsilon_max)):
@@ -47,6 +50,12 @@ class Charge:
     steps: int
     delta: float
     created_at: float
+    noise_holders: int = 1  # honest inputs of the secure sum whose noise, with this factory's, makes noise_multiplier (1: its own)
+
+
+def alone(history: list[tuple[float, float, int, int]]) -> list[tuple[float, float, int]]:
+    """A history of (noise of the sum, rate, steps, noise holders) as this factory's own noise alone: noise / sqrt(holders)."""
+    return [(noise / math.sqrt(holders), rate, steps) for noise, rate, steps, holders in history]
 
 
 def epsilon_of(history: list[tuple[float, float, int]], delta: float) -> float:
@@ -97,19 +106,33 @@ class PrivacyLedger:
             " run_id TEXT NOT NULL, server_round INTEGER NOT NULL, noise_multiplier REAL NOT NULL, sample_rate REAL NOT NULL,"
             " steps INTEGER NOT NULL, delta REAL NOT NULL, created_at REAL NOT NULL)"
         )
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(charges)")}
+        if "noise_holders" not in columns:  # a ledger written before --dp-secure-sum: every charge was its own noise
+            self._db.execute("ALTER TABLE charges ADD COLUMN noise_holders INTEGER NOT NULL DEFAULT 1")
 
     def charges(self) -> list[Charge]:
-        rows = self._db.execute("SELECT run_id, server_round, noise_multiplier, sample_rate, steps, delta, created_at FROM charges ORDER BY id").fetchall()
+        rows = self._db.execute("SELECT run_id, server_round, noise_multiplier, sample_rate, steps, delta, created_at, noise_holders FROM charges"
+                                " ORDER BY id").fetchall()
         return [Charge(*row) for row in rows]
 
     def history(self) -> list[tuple[float, float, int]]:
         return [(c.noise_multiplier, c.sample_rate, c.steps) for c in self.charges()]
 
     def spent(self, delta: float) -> float:
+        """Epsilon against whoever sees only what left the factory inside secure sums (all of it, for local DP-SGD)."""
         return epsilon_of(self.history(), delta)
 
-    def charge(self, budget: PrivacyBudget, run_id: str, server_round: int, noise_multiplier: float, sample_rate: float, steps: int) -> float:
+    def spent_alone(self, delta: float) -> float:
+        """Epsilon if the other inputs of every secure sum had added no noise (colluders beyond the tolerated ones, or the
+        secure sum broken): the guarantee this factory's own noise gives. Equals `spent` without --dp-secure-sum."""
+        return epsilon_of(alone([(c.noise_multiplier, c.sample_rate, c.steps, c.noise_holders) for c in self.charges()]), delta)
+
+    def charge(self, budget: PrivacyBudget, run_id: str, server_round: int, noise_multiplier: float, sample_rate: float, steps: int,
+               noise_holders: int = 1) -> float:
         """Record a round's charge if it fits the budget; return epsilon after it, or raise `BudgetExhausted`.
+
+        ``noise_multiplier`` is the noise of what is released (the secure sum's, for a factory that shares it among
+        ``noise_holders`` honest inputs; its own otherwise), and the budget bounds epsilon against that release.
 
         The check and the insert are one write transaction (``BEGIN IMMEDIATE``): two charges racing from
         two threads or processes cannot both pass a check the other would have failed.
@@ -126,9 +149,9 @@ class PrivacyLedger:
                     f"(delta {budget.delta}); the round is refused and nothing is sent. Raise --dp-epsilon on the factory to train more."
                 )
             self._db.execute(
-                "INSERT INTO charges (factory_id, run_id, server_round, noise_multiplier, sample_rate, steps, delta, created_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (self.factory_id, run_id, server_round, noise_multiplier, sample_rate, steps, budget.delta, time.time()),
+                "INSERT INTO charges (factory_id, run_id, server_round, noise_multiplier, sample_rate, steps, delta, created_at, noise_holders)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (self.factory_id, run_id, server_round, noise_multiplier, sample_rate, steps, budget.delta, time.time(), int(noise_holders)),
             )
             self._db.execute("COMMIT")  # committed and fsync'd (synchronous=FULL) before any training starts
         except BaseException:

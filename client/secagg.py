@@ -125,6 +125,17 @@ class SecAggClient:
             boxes[holder] = seal(pair, self._box_keys[holder], self.session)
         return boxes
 
+    def honest_inputs(self) -> int:
+        """The fewest inputs of honest factories, this one included, in any sum of this session the server can unmask.
+
+        This factory unmasks only sums with at least ``threshold`` survivors of its neighbourhood (``unmask``), the
+        threshold it checked against its own policy when it shared its keys, and at most ``colluders`` of them collude
+        with the server: so ``threshold - colluders``. A factory that shares the DP noise of the sum (``--dp-secure-sum``)
+        adds 1 / this of it (client.trainer). Known only once the keys were shared and the policy checked."""
+        if not self.neighbors:
+            raise SecAggProtocolError("keys were never shared in this session: its threshold was not checked yet")
+        return self.threshold - self.policy.colluders
+
     # stage 3 -------------------------------------------------------------------------------
     def receive_boxes(self, boxes: dict[int, bytes]) -> None:
         """Open the share boxes routed to us; a bad box counts as that sender dropping out for us."""

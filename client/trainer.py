@@ -15,6 +15,7 @@ For the pretrained family the frozen backbone's features are computed once per i
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -30,7 +31,7 @@ from torch import nn
 
 from client.config import AgentConfig
 from client.data import DataRequest, FactoryData, fit_reason, open_source
-from client.dp import DPPlan, check_dp_compatible, sample_rate, steps_per_epoch, train_private
+from client.dp import DPPlan, check_dp_compatible, noisy_gradient_step, sample_rate, steps_per_epoch, train_private
 from client.parallel import apply_activation_checkpointing
 from client.personal import PersonalModels, hit_rate, weights_digest
 from client.privacy import PrivacyLedger, noise_for_budget
@@ -199,20 +200,24 @@ class FactoryTrainer:
 
     # one round ------------------------------------------------------------------------------
     def train(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any], server_round: int, run_id: str = "",
-              public: ProxySet | None = None) -> LocalRound:
+              public: ProxySet | None = None, noise_holders: int = 1) -> LocalRound:
         """One round's local training. ``public``: the run's proxy set (public images), in whose principal subspace a head
-        trained with DP-SGD trains (`client.subspace`); without it such a head trains whole."""
+        trained with DP-SGD trains (`client.subspace`); without it such a head trains whole. ``noise_holders``: for a factory
+        that shares the secure sum's DP noise (--dp-secure-sum), the honest inputs of the sum this round's update goes into,
+        as the agent verified them (`SecAggClient.honest_inputs`; 1 outside a secure sum): it adds 1/noise_holders of the noise."""
         cfg = train_config_from(config, server_round)
         prep = self.prepare(weights, config, fresh=self.budget is not None)
         t0 = time.perf_counter()
         received = evaluate(prep.trainable, prep.held_out) if len(prep.held_out) else None
         eval_seconds = time.perf_counter() - t0
         trainable, private_cfg, subspace = self._trainable(prep, cfg, public)
-        privacy, dp_plan = self._charge_privacy(len(prep.train_set), private_cfg, config, server_round, run_id) if self.budget else ({}, None)
+        privacy, dp_plan = (self._charge_privacy(len(prep.train_set), private_cfg, config, server_round, run_id, noise_holders)
+                            if self.budget else ({}, None))
         if self.budget is not None and is_pretrained(prep.architecture):  # 0: the whole head trained (no public subspace)
             privacy["dp-subspace-dims"] = float(subspace.dims if subspace is not None else 0)
         t1 = time.perf_counter()
-        if self.workers is not None and not is_pretrained(prep.architecture):
+        secure_sum_step = dp_plan is not None and self.budget is not None and self.budget.secure_sum
+        if self.workers is not None and not is_pretrained(prep.architecture) and not secure_sum_step:
             out = self.workers.run(Job(weights=dict(weights), architecture=prep.architecture, train=asdict(cfg), request=prep.request,
                                        dp=dp_plan, fix_model=self.cfg.dp_fix_model))
             new, result = out["weights"], TrainResult(out["loss"], out["accuracy"], out["steps"], out["examples"])
@@ -220,6 +225,8 @@ class FactoryTrainer:
         else:
             if dp_plan is None:
                 result = train(trainable, prep.train_set, cfg)
+            elif secure_sum_step:  # one full-batch step, in the agent's process (a worker group is not needed for one step)
+                result = noisy_gradient_step(trainable, prep.train_set, private_cfg.secure_sum_lr, dp_plan.noise_multiplier, dp_plan.max_grad_norm)
             else:
                 result = train_private(trainable, prep.train_set, private_cfg, dp_plan)
             if isinstance(trainable, SubspaceHead):  # back to a whole head: what every other site expects
@@ -355,26 +362,39 @@ class FactoryTrainer:
         feats = features_of(images, ident, prep.model.encode, self.features, keys=array_keys(proxy.images))  # type: ignore[arg-type]
         return feats.images_at(np.arange(len(feats)))
 
-    def _charge_privacy(self, n: int, cfg: TrainConfig, config: dict[str, Any], server_round: int, run_id: str) -> tuple[dict[str, float], DPPlan]:
+    def _charge_privacy(self, n: int, cfg: TrainConfig, config: dict[str, Any], server_round: int, run_id: str,
+                        noise_holders: int = 1) -> tuple[dict[str, float], DPPlan]:
         """Charge the ledger for this round (or refuse it with `BudgetExhausted`) before any training.
 
-        The sample rate and step count are exactly those of the Poisson loader Opacus builds
+        Local DP-SGD: the sample rate and step count are exactly those of the Poisson loader Opacus builds
         (q = 1 / ceil(n / B), ceil(n / B) steps per epoch), so the ledger never under-counts.
+        Sharing the secure sum's noise (--dp-secure-sum): one Gaussian mechanism per round (q = 1, one step) whose noise
+        multiplier is the sum's; this factory adds that noise divided by sqrt(noise_holders), and the ledger also keeps
+        what its own noise alone guarantees (``epsilon-alone``).
         """
         assert self.budget is not None and self.ledger is not None
         ignored = sorted(k for k in config if k.startswith("dp-") or k in ("noise-multiplier", "max-grad-norm", "epsilon", "delta"))
         if ignored:
             log.warning("ignoring privacy settings sent by the server %s: the budget and noise are factory configuration", ignored)
-        rate = sample_rate(n, cfg.batch_size)
-        steps = cfg.epochs * steps_per_epoch(n, cfg.batch_size)
+        holders = max(1, int(noise_holders)) if self.budget.secure_sum else 1
+        if self.budget.secure_sum:
+            rate, steps = 1.0, 1
+        else:
+            rate, steps = sample_rate(n, cfg.batch_size), cfg.epochs * steps_per_epoch(n, cfg.batch_size)
         noise = noise_for_budget(self.budget.epsilon_max, self.budget.delta, rate, self.budget.planned_rounds * steps)
-        epsilon = self.ledger.charge(self.budget, run_id, server_round, noise, rate, steps)
+        epsilon = self.ledger.charge(self.budget, run_id, server_round, noise, rate, steps, noise_holders=holders)
         mode = "ghost_fsdp" if self.cfg.parallelism == "fsdp" else self.budget.grad_sample_mode
-        plan = DPPlan(noise_multiplier=noise, max_grad_norm=self.budget.max_grad_norm, sample_rate=rate, grad_sample_mode=mode)
-        return {
+        plan = DPPlan(noise_multiplier=noise / math.sqrt(holders), max_grad_norm=self.budget.max_grad_norm, sample_rate=rate, grad_sample_mode=mode)
+        privacy = {
             "epsilon-spent": epsilon, "epsilon-remaining": max(0.0, self.budget.epsilon_max - epsilon), "epsilon-max": self.budget.epsilon_max,
             "delta": self.budget.delta, "noise-multiplier": noise, "dp-steps": float(steps),
-        }, plan
+        }
+        if self.budget.secure_sum:
+            privacy |= {"dp-noise-holders": float(holders), "epsilon-alone": self.ledger.spent_alone(self.budget.delta)}
+            log.info("round %d: one DP step sharing the secure sum's noise with %d honest input(s) (noise multiplier %.3f of the sum, "
+                     "%.3f added here); epsilon %.3f against the sum, %.3f on this factory's noise alone", server_round, holders, noise,
+                     plan.noise_multiplier, epsilon, privacy["epsilon-alone"])
+        return privacy, plan
 
     # evaluation and distillation ------------------------------------------------------------
     def evaluate(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any]) -> EvalResult:

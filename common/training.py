@@ -81,6 +81,11 @@ class TrainConfig:
     private_head_lr: float = field(default=0.6, metadata=_key("private-head-lr", "learning rate of a head trained with DP-SGD (decayed over rounds "
                                                                                            "like lr, under lr-schedule)"))
     private_head_batch_size: int = field(default=256, metadata=_key("private-head-batch-size", "expected batch of a head trained with DP-SGD"))
+    # A factory that shares the secure sum's DP noise (--dp-secure-sum) takes one full-batch DP gradient step per round instead:
+    # its step size (measured on the built-in data, 30 rounds, server momentum 0.7: 2 to 6 within a point; docs/benchmarks.md)
+    secure_sum_lr: float = field(default=4.0, metadata=_key(
+        "secure-sum-lr", "step size of the one DP gradient step per round of a factory that shares the secure sum's noise "
+                         "(--dp-secure-sum; decayed over rounds like lr, under lr-schedule)"))
     public_subspace: int = field(default=128, metadata=_key(
         "public-subspace", "a head trained with DP-SGD trains within this many principal directions of the proxy set's features "
                            "(public images; 0: the whole head)"))
@@ -102,6 +107,8 @@ class TrainConfig:
             raise ValueError(f"private-head-lr must be > 0, private-head-batch-size >= 1, public-subspace >= 0 and public-subspace-whitening in "
                              f"[0, 1] (got {self.private_head_lr}, {self.private_head_batch_size}, {self.public_subspace}, "
                              f"{self.public_subspace_whitening})")
+        if self.secure_sum_lr <= 0:
+            raise ValueError(f"secure-sum-lr must be > 0, got {self.secure_sum_lr}")
         if self.proximal_mu < 0 or self.weight_decay < 0 or self.grad_clip < 0 or not 0 <= self.warmup_fraction < 1:
             raise ValueError("proximal-mu, weight-decay and grad-clip must be >= 0 and warmup-fraction in [0, 1)")
 

@@ -46,6 +46,8 @@ console = Console(stderr=True)
 @click.option("--secure/--no-secure", default=True, help="Secure aggregation (SecAgg+): the server learns only the sum.")
 @click.option("--dp/--no-dp", default=False, help="Factories train with DP-SGD under their own privacy budget.")
 @click.option("--epsilon", default=8.0, type=float, help="With --dp: each factory's privacy budget epsilon_max.")
+@click.option("--dp-secure-sum/--no-dp-secure-sum", default=False, help="With --dp: the factories share the secure sum's DP noise "
+              "(one DP step per round, default rounds 30; docs/security.md says what it assumes).")
 @click.option("--dashboard-port", default=0, type=int, help="Dashboard port (0: a free one); its URL is printed.")
 @click.option("--admin-token", default=None, envvar="FEDFORGE_ADMIN_TOKEN", help="Dashboard admin token (default: a random one, printed).")
 @click.option("--parallelism", default="none", type=click.Choice(["none", "ddp", "fsdp"]), help="Local training in a DDP/FSDP worker group.")
@@ -58,16 +60,18 @@ console = Console(stderr=True)
 @click.option("--set", "overrides", multiple=True, help="Any other run-config key, e.g. --set distill-epochs=10 (repeatable).")
 def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str, json_path: str | None, architecture: str,
          train_size: int, alpha: float, min_factories: int | None, round_timeout: float, lr: float, secure: bool, dp: bool, epsilon: float,
-         parallelism: str, local_world_size: int, dashboard_port: int, admin_token: str | None, distill: str, architectures: str,
+         dp_secure_sum: bool, parallelism: str, local_world_size: int, dashboard_port: int, admin_token: str | None, distill: str, architectures: str,
          overrides: tuple[str, ...]) -> None:
     """Run a local demo federation over real Flower processes on 127.0.0.1."""
     archs = [a.strip() for a in architectures.split(",") if a.strip()]
     from common.models import ARCHITECTURES
     from common.training import TrainConfig
-    from server.config import FederationConfig
+    from server.config import SECURE_SUM_DP_ROUNDS, FederationConfig
 
+    if dp_secure_sum and not (dp and secure):
+        raise click.UsageError("--dp-secure-sum shares the noise of secure sums: it needs --dp and --secure")
     defaults = FederationConfig()  # the recipe's defaults, in one place (no torch import here)
-    rounds = rounds or defaults.num_server_rounds
+    rounds = rounds or (SECURE_SUM_DP_ROUNDS if dp_secure_sum else defaults.num_server_rounds)
     architecture = architecture or defaults.architecture
     local_epochs = TrainConfig().epochs if local_epochs is None else local_epochs
     lr = lr or TrainConfig().lr
@@ -85,6 +89,7 @@ def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str
     }
     with ProcessSet(root / "logs") as procs:
         flags = ["--dp", "--dp-epsilon", str(epsilon), "--dp-planned-rounds", str(rounds)] if dp else []
+        flags += ["--dp-secure-sum"] if dp_secure_sum else []
         flags += ["--parallelism", parallelism, "--local-world-size", str(local_world_size)]
         if not secure:  # the factories must agree to answer in plaintext: they require secure aggregation by default
             flags.append("--no-require-secure-aggregation")

@@ -15,7 +15,6 @@ its slot, so such a factory sends predictions only (or nothing) and its group ge
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from server.groups import RoundPlan, RoundResult
 from server.messaging import Messenger
 from server.plain_round import RoundAborted
 from server.reduce import privacy_of, secure_means, shared_of
-from server.secure_sum import KeyedSession, KeyExchange, SecAggAborted, auto_degree
+from server.secure_sum import KeyedSession, KeyExchange, SecAggAborted, auto_degree, default_threshold
 
 log = logging.getLogger("fedforge.server")
 
@@ -57,7 +56,7 @@ class SecureRounds:
         the factories' own floor (more than half of it) accepts; with a sparse graph the neighbourhood, not the round, counts."""
         degree = self.degree(n)
         neighbourhood = min(degree, n - 1) + 1 if degree else n
-        return self.cfg.secagg_threshold or max(2, math.ceil(2 * neighbourhood / 3))
+        return self.cfg.secagg_threshold or default_threshold(neighbourhood)
 
     # a training round -------------------------------------------------------------------------
     def train(self, plan: RoundPlan, failures: dict[str, str], key_next: bool) -> RoundResult:

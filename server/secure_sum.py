@@ -49,9 +49,15 @@ AUTO_DESIGN_DROPOUT = 0.1  # the dropout rate the automatic degree is sized for
 AUTO_FAILURE = 1e-6  # allowed probability that some neighbourhood falls below its threshold at that rate
 
 
+def default_threshold(neighbourhood: int) -> int:
+    """Shares needed to recover a secret when ``secagg-threshold`` is 0: two thirds of a neighbourhood of m factories
+    (itself and its neighbours), at least 2; the factories' own floor (more than half of it) accepts it."""
+    return max(2, math.ceil(2 * neighbourhood / 3))
+
+
 def _short_of_threshold(neighbourhood: int, dropout: float) -> float:
-    """P[fewer than the default threshold ceil(2m/3) of a neighbourhood of m survive], each dropping independently."""
-    need = max(2, math.ceil(2 * neighbourhood / 3))
+    """P[fewer than the default threshold of a neighbourhood of m survive], each dropping independently."""
+    need = default_threshold(neighbourhood)
     alive = 1.0 - dropout
     return math.fsum(math.comb(neighbourhood, i) * alive**i * dropout ** (neighbourhood - i) for i in range(need))
 

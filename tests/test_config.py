@@ -37,6 +37,9 @@ def test_every_training_option_is_reachable_from_the_run_config():
     private = [cfg.train_config(r, "effnet-lite0")["private-head-lr"] for r in range(1, cfg.num_server_rounds + 1)]
     assert private[0] == cfg.training.private_head_lr and private[-1] == pytest.approx(cfg.training.private_head_lr / 10)
     assert private == pytest.approx([lr / 0.01 * cfg.training.private_head_lr for lr in lrs])
+    # and the step of a factory that shares the secure sum's noise (--dp-secure-sum)
+    shared = [cfg.train_config(r, "effnet-lite0")["secure-sum-lr"] for r in range(1, cfg.num_server_rounds + 1)]
+    assert shared == pytest.approx([lr / 0.01 * cfg.training.secure_sum_lr for lr in lrs])
     constant = FederationConfig.from_run_config({**run, "lr-schedule": "constant"})
     assert {constant.train_config(r)["lr"] for r in (1, 5, 10)} == {0.01}
     assert {constant.train_config(r)["private-head-lr"] for r in (1, 5, 10)} == {cfg.training.private_head_lr}

@@ -23,11 +23,11 @@ ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 
 @pytest.fixture(scope="module")
 def registry_dir(tmp_path_factory) -> Path:
-    """A registry written by `fedforge demo` (2 factories with DP, 2 rounds)."""
+    """A registry written by `fedforge demo` (3 factories with DP sharing the secure sum's noise, 2 rounds)."""
     root = tmp_path_factory.mktemp("dash")
     proc = subprocess.run(
-        [sys.executable, "-m", "common.cli", "demo", "--factories", "2", "--rounds", "2", "--train-size", "200", "--local-epochs", "1",
-         "--dp", "--epsilon", "8", "--min-factories", "2", "--no-secure", "--set", "proxy-size=200",  # the DP heads' public set: 200 images
+        [sys.executable, "-m", "common.cli", "demo", "--factories", "3", "--rounds", "2", "--train-size", "200", "--local-epochs", "1",
+         "--dp", "--epsilon", "8", "--dp-secure-sum", "--min-factories", "3", "--set", "proxy-size=200",  # the DP heads' public set: 200 images
          "--workdir", str(root), "--json", str(root / "summary.json")],
         capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -62,11 +62,13 @@ def test_api_shows_the_real_run(dashboard, registry_dir):
         v = c.get(f"/api/v1/versions/{newest['id']}").json()
         assert v["signature_status"] == "valid" and len(v["lineage"]) == 3 and v["lineage"][-1]["kind"] == "initial"
         privacy = c.get("/api/v1/privacy").json()
-        assert {p["factory"] for p in privacy} == {"factory-0", "factory-1"}
+        assert {p["factory"] for p in privacy} == {"factory-0", "factory-1", "factory-2"}
         assert all(0 < p["epsilon_spent"] <= p["epsilon_max"] == 8.0 for p in privacy)
         assert all(p["subspace_dims"] == 128 for p in privacy)  # the head trained within the generated proxy set's top 128 directions
+        # 3 factories, the default threshold 2, no tolerated colluder: each added half the noise of the secure sum
+        assert all(p["noise_holders"] == 2 and p["epsilon_spent"] < p["epsilon_alone"] for p in privacy)
         factories = c.get("/api/v1/factories").json()
-        assert [f["status"] for f in factories] == ["ok", "ok"]
+        assert [f["status"] for f in factories] == ["ok", "ok", "ok"]
         metrics = c.get("/metrics").text
         received = float(next(line.split()[1] for line in metrics.splitlines() if line.startswith("fedforge_bytes_received_total")))
         assert received > 0
@@ -190,7 +192,7 @@ def test_browser_shows_real_numbers_and_approves_with_the_token(registry_dir, ch
         driver.get(url + f"/versions/{candidate.id}")
         assert driver.find_element(By.ID, "signature-status").text == "valid"
         evaluation = reg.latest_evaluation(candidate.id)  # the final, evaluate-only phase measured the last version
-        assert evaluation is not None and evaluation.phase == "final" and evaluation.factories == 2
+        assert evaluation is not None and evaluation.phase == "final" and evaluation.factories == 3
         cells = driver.find_elements(By.CSS_SELECTOR, "svg.heatmap rect[data-count]")
         assert len(cells) == 36 and sum(int(c.get_attribute("data-count")) for c in cells) == evaluation.examples
         assert [[int(c.get_attribute("data-count")) for c in cells[i * 6:(i + 1) * 6]] for i in range(6)] == evaluation.confusion

@@ -76,8 +76,8 @@ def test_every_version_gets_the_factories_figures_and_the_server_sees_only_sums(
     for agent in agents:
         train, evaluate, fid = agent.trainer.train, agent.trainer.evaluate, agent.trainer.cfg.factory_id
 
-        def recording_train(weights, config, server_round, run_id="", public=None, _train=train, _id=fid):
-            local = _train(weights, config, server_round, run_id, public=public)
+        def recording_train(weights, config, server_round, run_id="", public=None, noise_holders=1, _train=train, _id=fid):
+            local = _train(weights, config, server_round, run_id, public=public, noise_holders=noise_holders)
             measured[(_id, server_round)] = local.received.confusion
             return local
 

@@ -12,17 +12,20 @@ import time
 from collections import OrderedDict
 
 import grpc
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from google.protobuf import struct_pb2
 from opacus.accountants import RDPAccountant
 from torch import nn
 
 from client.config import AgentConfig
-from client.dp import DPConfigError, DPPlan, check_dp_compatible, sample_rate, train_private
+from client.dp import DPConfigError, DPPlan, check_dp_compatible, noisy_gradient_step, sample_rate, train_private
 from client.privacy import BudgetExhausted, PrivacyBudget, PrivacyLedger
 from client.trainer import FactoryTrainer
 from common.data import datasets
+from common.features import FeatureSet
 from common.models import build_model
 from common.procs import free_port
 from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
@@ -217,3 +220,80 @@ def test_concurrent_charges_cannot_both_pass_the_budget_check(tmp_path):
     for t in threads:
         t.join()
     assert sorted(map(str, outcomes)).count("refused") == 1 and len(a.charges()) == 1
+
+
+def _features(n: int, dims: int, classes: int, seed: int = 0) -> FeatureSet:
+    rng = np.random.default_rng(seed)
+    return FeatureSet((rng.normal(size=(n, dims)) * 3).astype(np.float16), rng.integers(0, classes, n), tuple("abcdefgh"[:classes]))
+
+
+def test_a_secure_sum_step_is_the_gaussian_mechanism_on_clipped_per_example_gradients():
+    """--dp-secure-sum's update: -lr (sum of per-example gradients, each clipped to C, + N(0, (sigma C)^2)) / n, whatever the chunking."""
+    data = _features(50, 8, 3)
+    start = nn.Linear(8, 3)
+    expected = {k: torch.zeros_like(v) for k, v in start.state_dict().items()}
+    for i in range(len(data)):  # one example at a time, clipped as Opacus clips
+        one = nn.Linear(8, 3)
+        one.load_state_dict(start.state_dict())
+        F.cross_entropy(one(torch.from_numpy(data.images_at([i]))), torch.tensor([int(data.labels[i])])).backward()
+        norm = float(torch.sqrt(one.weight.grad.pow(2).sum() + one.bias.grad.pow(2).sum()))
+        for name, p in one.named_parameters():
+            expected[name] += min(1.0, 0.5 / (norm + 1e-6)) * p.grad
+    stepped = nn.Linear(8, 3)
+    stepped.load_state_dict(start.state_dict())
+    result = noisy_gradient_step(stepped, data, lr=0.3, noise_multiplier=0.0, max_grad_norm=0.5, chunk=16)
+    assert result.steps == 1 and result.examples == 50
+    for name, p in stepped.named_parameters():
+        torch.testing.assert_close(p.detach(), start.state_dict()[name] - 0.3 * expected[name] / 50, atol=1e-6, rtol=0)
+
+    # the noise: standard deviation sigma * C in every coordinate of the sum, fresh at every step
+    wide, sigma = nn.Linear(200, 8), 2.0
+    base = nn.Linear(200, 8)
+    wide.load_state_dict(base.state_dict())
+    data = _features(20, 200, 8)
+    clean = nn.Linear(200, 8)
+    clean.load_state_dict(base.state_dict())
+    noisy_gradient_step(clean, data, lr=1.0, noise_multiplier=0.0, max_grad_norm=1.0)
+    noisy_gradient_step(wide, data, lr=1.0, noise_multiplier=sigma, max_grad_norm=1.0)
+    added = (clean.weight - wide.weight).detach().flatten() * 20  # (noise) in the sum's units
+    assert float(added.std()) == pytest.approx(sigma, rel=0.1) and abs(float(added.mean())) < 0.2
+
+
+def test_sharing_the_secure_sums_noise_charges_one_gaussian_step_and_keeps_what_its_own_noise_guarantees(tmp_path):
+    """The ledger charges the sum's noise (q = 1, one step per round); the factory adds sigma / sqrt(holders) of it; epsilon-alone is
+    what its own noise would guarantee, and without --dp-secure-sum a number of holders changes nothing."""
+    shared = FactoryTrainer(_cfg(tmp_path / "shared", dp_secure_sum=True, dp_planned_rounds=10))
+    for r in (1, 2):
+        privacy = shared.train(_global(), CONFIG, r, run_id="r", noise_holders=4).privacy
+    (first, second) = shared.ledger.charges()
+    assert (first.sample_rate, first.steps, first.noise_holders) == (1.0, 1, 4) and second.noise_multiplier == first.noise_multiplier
+    sigma = first.noise_multiplier
+    accountant = RDPAccountant()
+    accountant.history = [(sigma, 1.0, 2)]
+    assert privacy["epsilon-spent"] == pytest.approx(accountant.get_epsilon(delta=1e-5), rel=1e-9)
+    alone = RDPAccountant()
+    alone.history = [(sigma / 2.0, 1.0, 2)]
+    assert privacy["epsilon-alone"] == pytest.approx(alone.get_epsilon(delta=1e-5), rel=1e-9) and privacy["epsilon-alone"] > privacy["epsilon-spent"]
+    assert privacy["dp-noise-holders"] == 4 and privacy["dp-steps"] == 1
+    # the whole budget fits the planned rounds: ten such rounds spend it exactly
+    accountant.history = [(sigma, 1.0, 10)]
+    assert accountant.get_epsilon(delta=1e-5) == pytest.approx(4.0, abs=0.05)
+
+    local = FactoryTrainer(_cfg(tmp_path / "local"))
+    privacy = local.train(_global(), CONFIG, 1, run_id="r", noise_holders=4).privacy
+    assert local.ledger.charges()[0].noise_holders == 1 and "epsilon-alone" not in privacy and privacy["dp-steps"] > 1
+
+
+def test_a_ledger_written_before_shared_noise_reads_as_the_factorys_own_noise(tmp_path):
+    path = tmp_path / "privacy-ledger.db"
+    old = sqlite3.connect(path)
+    old.execute("CREATE TABLE charges (id INTEGER PRIMARY KEY AUTOINCREMENT, factory_id TEXT NOT NULL, run_id TEXT NOT NULL,"
+                " server_round INTEGER NOT NULL, noise_multiplier REAL NOT NULL, sample_rate REAL NOT NULL, steps INTEGER NOT NULL,"
+                " delta REAL NOT NULL, created_at REAL NOT NULL)")
+    old.execute("INSERT INTO charges (factory_id, run_id, server_round, noise_multiplier, sample_rate, steps, delta, created_at)"
+                " VALUES ('p', 'r', 1, 1.1, 0.25, 8, 1e-5, 0)")
+    old.commit()
+    old.close()
+    ledger = PrivacyLedger(path, "p")
+    (charge,) = ledger.charges()
+    assert charge.noise_holders == 1 and ledger.spent(1e-5) > 0 and ledger.spent_alone(1e-5) == pytest.approx(ledger.spent(1e-5))

@@ -115,6 +115,9 @@ class PrivacyOut(BaseModel):
     epsilon_max: float | None
     epsilon_spent: float | None
     subspace_dims: int | None = None  # the public directions its head last trained in under DP; 0: the whole head (client/subspace.py)
+    # --dp-secure-sum: the honest inputs of the secure sum it last shared the noise with, and epsilon on its own noise alone
+    noise_holders: int | None = None
+    epsilon_alone: float | None = None
     history: list[PrivacyPoint] | None = None  # per round; in the list only with ?history=true (a deferred column)
 
 

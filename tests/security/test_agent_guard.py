@@ -36,8 +36,9 @@ class Agents:
     """N real agents and a hand-driven SecAgg server: every request is what the test chooses to send."""
 
     def __init__(self, tmp_path, n: int, **cfg) -> None:
+        cfg = {"require_secure_aggregation": True, **cfg}
         self.agents = [serve(AgentConfig(factory_id=f"f{i}", listen=f"127.0.0.1:{free_port()}", factory_index=i % 3, num_factories=3,
-                                         train_size=40, require_secure_aggregation=True, state_dir=str(tmp_path / f"f{i}"), **cfg))
+                                         train_size=40, state_dir=str(tmp_path / f"f{i}"), **cfg))
                        for i in range(n)]
         self.stubs = {i + 1: edge_pb2_grpc.EdgeAgentStub(grpc.insecure_channel(a.trainer.cfg.listen, options=GRPC_OPTIONS))
                       for i, a in enumerate(self.agents)}
@@ -64,9 +65,10 @@ class Agents:
                 routed[v][u] = box
         return keys, routed
 
-    def train(self, slot: int, session: str | None, alive: list[int] | None = None, routed: dict[int, bytes] | None = None) -> edge_pb2.TrainReply:
+    def train(self, slot: int, session: str | None, alive: list[int] | None = None, routed: dict[int, bytes] | None = None,
+              **extra_config) -> edge_pb2.TrainReply:
         config = struct_pb2.Struct()
-        config.update(CONFIG)
+        config.update({**CONFIG, **extra_config})
         secagg = {}
         if session is not None:
             layout = SecureLayout.of({ARCH: sum(v.size for v in self.weights.values())}, classes=6, metrics=True)
@@ -152,6 +154,29 @@ def test_split_view_cannot_recover_both_secrets_of_one_factory(six):
     server.seed_commits[1] = keys[1]["seed-commit"]
     with pytest.raises(SecAggAborted, match="only 3 well-formed shares"):
         server._recover(1, seed_shares, "self-mask seed", lambda s: True)
+
+
+def test_a_factory_sharing_the_dp_noise_counts_only_the_honest_inputs_it_checked_itself(tmp_path):
+    """--dp-secure-sum: a factory adds 1/(threshold - colluders) of the sum's noise variance, from the session whose threshold it
+    checked against its own policy; noise settings in the server's config change nothing; a session whose keys were never shared
+    is refused before anything is charged; outside a secure sum it adds all of the noise."""
+    agents = Agents(tmp_path, 6, dp=True, dp_secure_sum=True, dp_planned_rounds=4, secagg_colluders=1, require_secure_aggregation=False)
+    try:
+        _, routed = agents.keyed("shared", threshold=5)  # 5 > 6/2 + 1 colluder: accepted; at least 5 - 1 honest inputs in any unmasked sum
+        reply = agents.train(1, "shared", alive=list(agents.stubs), routed=routed[1], **{"noise-multiplier": 0.01, "dp-noise-holders": 100})
+        assert reply.metrics["dp-noise-holders"] == 4 and reply.metrics["epsilon-alone"] > reply.metrics["epsilon-spent"] > 0
+        ledger = agents.agents[0].trainer.ledger
+        (charge,) = ledger.charges()
+        assert (charge.noise_holders, charge.sample_rate, charge.steps) == (4, 1.0, 1)
+
+        agents.secagg(2, "advertise", session="unshared", slot=2, threshold=5)  # keys never shared: its threshold was never checked
+        assert "keys were never shared" in _refused(lambda: agents.train(2, "unshared", alive=list(agents.stubs)))
+        assert agents.agents[1].trainer.ledger.charges() == []
+
+        plain = agents.train(3, None)  # no secure sum: the whole noise, and the reply says so
+        assert plain.metrics["dp-noise-holders"] == 1 and plain.metrics["epsilon-alone"] == pytest.approx(plain.metrics["epsilon-spent"])
+    finally:
+        agents.close()
 
 
 def test_a_factory_that_requires_secure_aggregation_never_answers_in_plaintext(six):
