@@ -7,6 +7,7 @@ memory, models built, torch threads set) so that a round costs training time, no
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -30,6 +31,7 @@ from common.distill import ProxyCache, ProxySet, ProxySetError
 from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
 from common.secagg.layout import Contribution
 from common.secagg.messages import Advertise, Boxes, MaskedInput, Share, Shares, Unmask
+from common.secagg.terms import round_terms
 from common.secagg.update import flatten
 from common.secagg.wire import from_values, to_values
 from common.tensors import UpdateError, from_tensor, from_tensors, to_tensor, to_tensors
@@ -83,9 +85,13 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
             confusion = local.received.confusion if local.received is not None else np.zeros((len(_classes(config)),) * 2, dtype=np.int64)
             update_norm = float(np.linalg.norm(flatten(local.weights) - flatten(global_weights)))
             metrics = {**local.metrics, "update-norm": update_norm}
+            # a factory that trains with DP releases no training statistics, in a sum or in plaintext: its loss, accuracy and
+            # update norm on its training images were computed without noise (only what DP-SGD released leaves it)
+            summed_metrics = None if local.privacy else metrics
             factory_id = self.trainer.cfg.factory_id
             if session is None:
-                reply = edge_pb2.TrainReply(factory_id=factory_id, num_examples=local.examples, metrics={**metrics, **local.privacy, **self._own(local)},
+                reply = edge_pb2.TrainReply(factory_id=factory_id, num_examples=local.examples,
+                                            metrics={**(summed_metrics or {}), **local.privacy, **self._own(local)},
                                             confusion=to_tensor("confusion", confusion))
                 if send_weights:
                     reply.weights.extend(to_tensors(local.weights))
@@ -98,13 +104,28 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
             session.receive_boxes(secure.routed())
             architecture = str(config.get("architecture"))
             contribution = Contribution(architecture if send_weights else None, global_weights, local.weights, local.examples,
-                                        predictions, confusion, architecture, metrics)
-            encoded, _ = secure.layout.encode(contribution, secure.clip, secure.scale, secure.max_weight)
+                                        predictions, confusion, architecture, summed_metrics)
+            encoded, _ = secure.layout.encode(contribution, self._clip_for(secure, local), secure.scale, secure.max_weight)
             if self.audit is not None:
                 self.audit(request.server_round, encoded)
-            masked = session.mask(encoded, secure.alive)
-            shared = {**metrics, **self._own(local)} if self.trainer.cfg.share_metrics else {}
+            masked = session.mask(encoded, secure.alive, round_terms(config, secure.clip, secure.scale, secure.max_weight, secure.layout))
+            shared = {**(summed_metrics or {}), **self._own(local)} if self.trainer.cfg.share_metrics else {}
             return edge_pb2.TrainReply(factory_id=factory_id, masked=to_tensor("masked", masked), metrics={**local.privacy, **shared})
+
+    def _clip_for(self, secure: MaskedInput, local: LocalRound) -> float:
+        """The bound on this factory's update before masking: the server's, except for a factory that shares the sum's DP noise.
+
+        Such a factory's update carries only its share of the noise, so a clip applied to it alone (or a weight cap that
+        scales it) would act on a vector that is not private by itself, and scale its noise apart from the others'; its
+        update is bounded already (per-example clipping, one step). It takes no clip, and refuses a weight cap below its
+        image count."""
+        if not (self.trainer.budget is not None and self.trainer.budget.secure_sum and local.privacy):
+            return secure.clip
+        if local.examples > secure.max_weight:
+            raise PolicyRefusal(f"factory {self.trainer.cfg.factory_id} shares the secure sum's DP noise and trains on {local.examples} images, "
+                                f"more than the round's max-weight {secure.max_weight}: its update would be scaled apart from the others'; "
+                                f"raise max-weight in the run configuration")
+        return math.inf
 
     def _reconsider(self) -> None:
         self.trainer.wait_personal()
@@ -185,7 +206,8 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
             session.receive_boxes(secure.routed())
             contribution = Contribution(num_examples=result.examples, confusion=result.confusion, confusion_group=str(config.get("architecture")))
             encoded, _ = secure.layout.encode(contribution, secure.clip, secure.scale, secure.max_weight)
-            return edge_pb2.EvaluateReply(factory_id=factory_id, masked=to_tensor("masked", session.mask(encoded, secure.alive)), metrics=own)
+            masked = session.mask(encoded, secure.alive, round_terms(config, secure.clip, secure.scale, secure.max_weight, secure.layout))
+            return edge_pb2.EvaluateReply(factory_id=factory_id, masked=to_tensor("masked", masked), metrics=own)
 
     def Describe(self, request: edge_pb2.DescribeRequest, context: grpc.ServicerContext) -> edge_pb2.DescribeReply:
         with _status_on_error(context, "describe"):

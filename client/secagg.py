@@ -39,6 +39,7 @@ from common.secagg.primitives import (
     self_mask_seed,
     share_secret,
 )
+from common.secagg.terms import bind
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +151,11 @@ class SecAggClient:
                 self.rejected[sender] = str(exc)
                 log.warning("secagg %s: %s; treating slot %d as dropped for this pair", self.session.decode(), exc, sender)
 
-    def mask(self, encoded: np.ndarray, alive: list[int]) -> np.ndarray:
-        """Add the self mask and the signed pairwise masks with neighbours still in the session (once per session)."""
+    def mask(self, encoded: np.ndarray, alive: list[int], terms: bytes) -> np.ndarray:
+        """Add the self mask and the signed pairwise masks with neighbours still in the session (once per session).
+
+        Each pairwise mask is bound to ``terms``, the digest of the round's terms this factory received
+        (`common.secagg.terms`): it cancels only against a neighbour that received the same."""
         if encoded.dtype != np.uint64:
             raise TypeError("mask() takes a fixed-point uint64 vector")
         if self.masked_with is not None:
@@ -164,7 +168,7 @@ class SecAggClient:
         n = len(encoded)
         masked = encoded + expand_mask(self._seed, n)
         for v in masked_with:  # in place: one vector for the whole sum, in Z_2^64 (uint64 wraps)
-            (np.add if self.slot < v else np.subtract)(masked, expand_mask(self._pair_keys[v], n), out=masked)
+            (np.add if self.slot < v else np.subtract)(masked, expand_mask(bind(self._pair_keys[v], terms), n), out=masked)
         self.masked_with = masked_with
         return masked
 

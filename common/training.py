@@ -82,8 +82,8 @@ class TrainConfig:
                                                                                            "like lr, under lr-schedule)"))
     private_head_batch_size: int = field(default=256, metadata=_key("private-head-batch-size", "expected batch of a head trained with DP-SGD"))
     # A factory that shares the secure sum's DP noise (--dp-secure-sum) takes one full-batch DP gradient step per round instead:
-    # its step size (measured on the built-in data, 30 rounds, server momentum 0.7: 2 to 6 within a point; docs/benchmarks.md)
-    secure_sum_lr: float = field(default=4.0, metadata=_key(
+    # its step size (30 rounds, server momentum 0.7: 2, 3 and 4 within a point of each other on three data sets; docs/benchmarks.md)
+    secure_sum_lr: float = field(default=3.0, metadata=_key(
         "secure-sum-lr", "step size of the one DP gradient step per round of a factory that shares the secure sum's noise "
                          "(--dp-secure-sum; decayed over rounds like lr, under lr-schedule)"))
     public_subspace: int = field(default=128, metadata=_key(

@@ -23,9 +23,10 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from common.distill import ensemble_of
-from common.secagg.layout import SecureLayout, Sums, apply_group_sum
+from common.secagg.layout import SecureLayout, SumNotValid, Sums, apply_group_sum
 from common.secagg.messages import RECORD, MaskedInput, MessageError, Shares, Unmask, split_next, with_next
 from common.secagg.primitives import session_id
+from common.secagg.terms import round_terms
 from common.tensors import check_like
 from common.wire import weights_record
 from server.config import FederationConfig
@@ -122,6 +123,8 @@ class SecureRounds:
             secure, node_of, slot_of = keyed.secure, keyed.node_of, keyed.slot_of
             session = secure.session.decode()
             ahead = self._open_next_session(plan.server_round, nodes) if key_next else None
+            # what every factory computes its input under: their pairwise masks cancel only if each received exactly this
+            terms = round_terms(dict(content(nodes[0])["config"]), float(cfg.update_clip), float(cfg.secagg_scale), int(cfg.max_weight), layout)
 
             def masked_message(node: int) -> RecordDict:
                 record = content(node)
@@ -187,13 +190,14 @@ class SecureRounds:
                     self._pipelined = ahead.finish(_ahead_fields(replies))
                 except SecAggAborted as exc:
                     log.info("round %d: the next phase will exchange its own keys: %s", plan.server_round, exc)
-            total = secure.result(_unmask_answers({slot_of[node]: r for node, r in replies.items()}, failures, m, node_of))
+            total = secure.result(_unmask_answers({slot_of[node]: r for node, r in replies.items()}, failures, m, node_of), terms)
             if cfg.secagg_audit_dir:
                 _audit(Path(cfg.secagg_audit_dir), plan.server_round, message_type, total, participants)
-        except SecAggAborted as exc:
+            sums = layout.decode(total, cfg.secagg_scale)
+        except (SecAggAborted, SumNotValid) as exc:
             raise RoundAborted(str(exc), failures, []) from exc
         received = sum(masked_inputs[node_of[s]].nbytes for s in survivors)
-        return layout.decode(total, cfg.secagg_scale), participants, {node_of[s]: reports.get(node_of[s], {}) for s in survivors}, received, phases
+        return sums, participants, {node_of[s]: reports.get(node_of[s], {}) for s in survivors}, received, phases
 
     def _result(self, plan: RoundPlan, layout: SecureLayout, sums: Sums, participants: list[str], reports: dict[int, dict[str, float]],
                 received: int, phases: int, failures: dict[str, str]) -> RoundResult:

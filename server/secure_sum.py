@@ -29,6 +29,7 @@ from common.secagg.primitives import (
     recover_secret,
     seed_commitment,
 )
+from common.secagg.terms import bind
 
 log = logging.getLogger("fedforge.server.secagg")
 
@@ -181,8 +182,11 @@ class SecureSum:
         return self.u3, sorted(set(self.u2) - set(self.u3))
 
     # stage 4 -----------------------------------------------------------------------------------
-    def result(self, answers: dict[int, tuple[dict[int, tuple[int, bytes]], dict[int, tuple[int, bytes]]]]) -> np.ndarray:
+    def result(self, answers: dict[int, tuple[dict[int, tuple[int, bytes]], dict[int, tuple[int, bytes]]]], terms: bytes) -> np.ndarray:
         """Remove every mask from the sum of masked inputs; returns sum_{u in U3} x_u in Z_{2^64}.
+
+        ``terms``: the digest of the round's terms the server sent (`common.secagg.terms`); the pairwise masks of dropped
+        factories are rebuilt under it, as the factories built them under what they received.
 
         Every recovered secret is checked before it is used: a self-mask seed against the commitment its
         owner advertised, a mask key against its advertised public key. A forged or malformed share is
@@ -203,7 +207,7 @@ class SecureSum:
             key = X25519PrivateKey.from_private_bytes(secret)
             for u in self.graph[d]:
                 if u in set(survivors):
-                    pair_mask = expand_mask(agree(key, self.mask_pks[u], b"mask", self.session, d, u), self.length)
+                    pair_mask = expand_mask(bind(agree(key, self.mask_pks[u], b"mask", self.session, d, u), terms), self.length)
                     # u added +mask if u < d, else -mask: undo exactly that
                     total = total - pair_mask if u < d else total + pair_mask
         return total

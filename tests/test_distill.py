@@ -211,7 +211,7 @@ def test_secure_distillation_server_sees_only_sums_and_survives_a_dropout(tmp_pa
         agent.trainer.predict = recording
     unmasked = []
     original_result = SecureSum.result
-    monkeypatch.setattr(SecureSum, "result", lambda self, answers: unmasked.append(original_result(self, answers)) or unmasked[-1])
+    monkeypatch.setattr(SecureSum, "result", lambda self, answers, terms: unmasked.append(original_result(self, answers, terms)) or unmasked[-1])
 
     recorded: dict[str, list] = {"server-saw": []}
     drops = lambda msg, factory_id: msg.metadata.message_type == "train" and factory_id == "factory-2"  # out of the prediction phase

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -12,10 +14,14 @@ from common.secagg import quantize
 from common.secagg.primitives import expand_mask, recover_secret, session_id, share_secret
 from server.secure_sum import SecAggAborted, SecureSum, neighbour_graph
 
+TERMS = hashlib.sha256(b"the round's terms, as the server sent them").digest()
+
 
 def run_protocol(inputs: dict[int, np.ndarray], threshold: int, degree: int | None = None, drop_after: dict[str, set[int]] | None = None,
-                 tamper: set[tuple[int, int]] = frozenset(), session: bytes = b"run|1|fedavg"):
-    """Run all four stages in-process; ``drop_after[stage]`` lists slots that vanish after that stage."""
+                 tamper: set[tuple[int, int]] = frozenset(), session: bytes = b"run|1|fedavg", terms_of: dict[int, bytes] | None = None,
+                 server_terms: bytes = TERMS):
+    """Run all four stages in-process; ``drop_after[stage]`` lists slots that vanish after that stage; ``terms_of[u]``: the round
+    terms slot u received (default: what the server sent, ``server_terms``)."""
     drop_after = {k: set(v) for k, v in (drop_after or {}).items()}
     slots = sorted(inputs)
     server = SecureSum(session, slots, threshold, degree if degree is not None else len(slots) - 1)
@@ -33,11 +39,11 @@ def run_protocol(inputs: dict[int, np.ndarray], threshold: int, degree: int | No
     alive -= drop_after.get("share", set())  # shared keys, then vanished: its masks must be removed
     for u in sorted(alive):
         clients[u].receive_boxes(routed[u])
-        server.add_masked_input(u, clients[u].mask(quantize.encode(inputs[u]), server.u2))
+        server.add_masked_input(u, clients[u].mask(quantize.encode(inputs[u]), server.u2, (terms_of or {}).get(u, server_terms)))
     alive -= drop_after.get("input", set())  # sent its masked input, then vanished: still in the sum
     survivors, dropped = server.unmask_request()
     answers = {u: clients[u].unmask(survivors, dropped) for u in alive}
-    return quantize.decode(server.result(answers)), survivors, clients, server
+    return quantize.decode(server.result(answers, server_terms)), survivors, clients, server
 
 
 @settings(max_examples=12, deadline=None)
@@ -80,10 +86,10 @@ def test_dropout_during_unmasking_above_threshold_still_completes():
     routed = server.add_share_boxes({u: clients[u].share_keys(*plan[u]) for u in slots})
     for u in slots:
         clients[u].receive_boxes(routed[u])
-        server.add_masked_input(u, clients[u].mask(quantize.encode(inputs[u]), server.u2))
+        server.add_masked_input(u, clients[u].mask(quantize.encode(inputs[u]), server.u2, TERMS))
     survivors, dropped = server.unmask_request()
     answers = {u: clients[u].unmask(survivors, dropped) for u in slots if u != 4}
-    np.testing.assert_allclose(quantize.decode(server.result(answers)), sum(inputs.values()), atol=quantize.error_bound(5))
+    np.testing.assert_allclose(quantize.decode(server.result(answers, TERMS)), sum(inputs.values()), atol=quantize.error_bound(5))
 
 
 @pytest.mark.parametrize("stage", ["start", "advertise", "share", "input"])
@@ -124,7 +130,7 @@ def test_replayed_or_redirected_box_is_rejected():
 def test_client_refuses_to_reveal_both_secrets_of_one_factory():
     client = SecAggClient(b"s", 1, 2)
     client.share_keys([2, 3], [SecAggClient(b"s", 2, 2).advertise().enc_pk] * 2, [SecAggClient(b"s", 3, 2).advertise().mask_pk] * 2)
-    client.mask(np.zeros(4, np.uint64), [1, 2, 3])
+    client.mask(np.zeros(4, np.uint64), [1, 2, 3], TERMS)
     with pytest.raises(SecAggProtocolError, match="both"):
         client.unmask([1, 2], [2])
     client.unmask([1, 2, 3], [])
@@ -150,7 +156,7 @@ def test_a_single_masked_vector_looks_uniform():
     plan = server.add_public_keys({u: clients[u].advertise() for u in inputs})
     routed = server.add_share_boxes({u: clients[u].share_keys(*plan[u]) for u in inputs})
     clients[1].receive_boxes(routed[1])
-    masked = clients[1].mask(quantize.encode(inputs[1]), server.u2)
+    masked = clients[1].mask(quantize.encode(inputs[1]), server.u2, TERMS)
     # chi-square over the 256 values of every byte of the masked words
     counts = np.bincount(masked.view(np.uint8), minlength=256)
     expected = len(masked) * 8 / 256
@@ -228,3 +234,34 @@ def test_every_stage_message_round_trips_and_a_malformed_field_is_named():
         Share.from_fields({"session": "s", "neighbors": [b"2"], "enc-pks": [b"a"], "mask-pks": [b"b"]})
     with pytest.raises(MessageError, match="share columns of different lengths"):
         Shares.from_fields({"seed-slots": [1, 2], "seed-index": [1], "seed-shares": [b"s"], "key-slots": [], "key-index": [], "key-shares": []})
+
+
+def test_masks_cancel_only_between_factories_that_received_the_same_round_terms():
+    """A server that sends one factory other terms (say a larger step size, to shrink everyone else's share of the DP noise under
+    --dp-secure-sum) gets a sum that is noise; honest terms, and the masks of a factory that dropped, still give the exact sum."""
+    from common.secagg.layout import Contribution, SecureLayout, SumNotValid
+    from common.secagg.terms import round_terms
+
+    layout = SecureLayout.of({"head": 6}, classes=2, confusion=["head"], metrics=True)
+    config = {"secure-sum-lr": 4.0, "public-proxy-sha256": "ab" * 32, "local-epochs": 2}
+    honest = round_terms(config, 10.0, quantize.DEFAULT_SCALE, 1000, layout)
+    assert honest == round_terms({**config, "local-epochs": 2.0, "architecture": "other", "send-weights": False}, 10, quantize.DEFAULT_SCALE,
+                                 1000, layout)  # ints arrive as floats; the per-factory keys do not count
+    lying = round_terms({**config, "secure-sum-lr": 400.0}, 10.0, quantize.DEFAULT_SCALE, 1000, layout)
+    assert lying != honest and round_terms(config, 1.0, quantize.DEFAULT_SCALE, 1000, layout) != honest
+
+    rng = np.random.default_rng(5)
+    like = {"w": np.zeros(6)}
+    vectors = {u: layout.encode(Contribution("head", like, {"w": rng.normal(size=6)}, 30 + u, confusion=np.eye(2) * u, confusion_group="head"),
+                                10.0, quantize.DEFAULT_SCALE, 1000)[0].view(np.int64).astype(np.float64) / quantize.DEFAULT_SCALE
+               for u in range(1, 6)}
+    total, *_ = run_protocol(vectors, threshold=4, server_terms=honest, drop_after={"share": {5}})
+    expected = sum(v for u, v in vectors.items() if u != 5)
+    np.testing.assert_allclose(total, expected, atol=quantize.error_bound(4))
+    sums = layout.decode(quantize.encode(total), quantize.DEFAULT_SCALE)
+    assert sums.groups["head"][1] == 31 + 32 + 33 + 34
+
+    told_otherwise, *_ = run_protocol(vectors, threshold=4, server_terms=honest, terms_of={2: lying})
+    assert not np.allclose(told_otherwise, sum(vectors.values()), atol=1.0)
+    with pytest.raises(SumNotValid, match="different round terms"):
+        layout.decode(quantize.encode(np.clip(told_otherwise, -2.0**37, 2.0**37)), quantize.DEFAULT_SCALE)

@@ -30,6 +30,10 @@ from common.secagg.update import flatten, unflatten
 SUMMED_METRICS = ("train-loss", "train-accuracy", "steps", "train-seconds", "eval-seconds", "update-norm")
 
 
+class SumNotValid(ValueError):
+    """An unmasked secure sum whose count slots hold no counts: its inputs were made under different terms, or corrupted."""
+
+
 @dataclass
 class Contribution:
     """What one factory puts into the secure sum (any part may be absent)."""
@@ -41,7 +45,7 @@ class Contribution:
     predictions: tuple[np.ndarray, np.ndarray] | None = None  # (balanced q (N, C), class counts (C,))
     confusion: np.ndarray | None = None  # (C, C) counts of the received model on its held-out split
     confusion_group: str | None = None  # the group whose model that was (its slot)
-    metrics: Mapping[str, float] = field(default_factory=dict)
+    metrics: Mapping[str, float] | None = field(default_factory=dict)  # None: nothing in the metrics slot (not even a weight)
 
 
 @dataclass
@@ -130,7 +134,7 @@ class SecureLayout:
                 raise ValueError(f"confusion matrix of shape {m.shape}, the round expects ({self.classes}, {self.classes})")
             start = self.confusion_offset + self.confusion.index(c.confusion_group) * self.classes * self.classes
             vector[start : start + self.classes * self.classes] = np.clip(np.rint(m), 0.0, float(max_weight)).ravel()
-        if self.metrics:
+        if self.metrics and c.metrics is not None:
             values = np.array([float(c.metrics.get(k, 0.0)) for k in SUMMED_METRICS])
             values = np.where(np.isfinite(values), np.clip(values, -1e6, 1e6), 0.0)
             vector[self.metrics_offset] = weight
@@ -138,9 +142,15 @@ class SecureLayout:
         return quantize.encode(vector, scale), norm
 
     def decode(self, total: np.ndarray, scale: float) -> Sums:
+        """The sums, by slot. Raises `SumNotValid` if a slot that holds counts (examples, class counts, confusion counts) does
+        not: what a sum of inputs made under different round terms unmasks to (`common.secagg.terms`), or a corrupted one."""
         if len(total) != self.length:
             raise ValueError(f"secure sum of {len(total)} values, the round's layout has {self.length}")
         values = quantize.decode(total, scale)
+        counts = self.count_slots()
+        if len(counts) and not (np.all(values[counts] > -0.5) and np.all(np.abs(values[counts] - np.rint(values[counts])) < 1e-3)):
+            raise SumNotValid("the secure sum did not unmask to a valid sum (its example counts are not counts): the factories' inputs "
+                              "were made under different round terms, or one was corrupted; nothing of it is used")
         groups = {}
         for arch, size in self.groups:
             start = self.offsets()[arch]
@@ -160,6 +170,17 @@ class SecureLayout:
             if weight > 0:
                 metrics = {k: float(v / weight) for k, v in zip(SUMMED_METRICS, values[self.metrics_offset + 1 :])}
         return Sums(groups, ensemble, confusion, metrics, weight)
+
+    def count_slots(self) -> np.ndarray:
+        """Positions of the values that are sums of non-negative integers: each group's example count, the ensemble's class
+        counts, the confusion counts and the metrics' weight."""
+        slots = [self.offsets()[arch] + size for arch, size in self.groups]
+        if self.predictions:
+            slots += range(self.prediction_offset + self.predictions, self.prediction_offset + self.predictions + self.classes)
+        slots += range(self.confusion_offset, self.confusion_offset + len(self.confusion) * self.classes * self.classes)
+        if self.metrics:
+            slots.append(self.metrics_offset)
+        return np.asarray(slots, dtype=np.int64)
 
     def fields(self) -> dict[str, object]:
         """The layout as secure-aggregation request fields (what the factory rebuilds it from)."""

@@ -29,6 +29,7 @@ from server.secure_sum import KeyExchange, SecAggAborted, SecureSum
 from tests.test_server_rounds import _task_identity  # noqa: F401 - the autouse fixture Flower messages need
 
 ARCH = "cnn-small"
+TERMS = bytes(range(32))  # the round's terms, as every factory received them (common.secagg.terms)
 CONFIG = {"architecture": ARCH, "local-epochs": 1, "batch-size": 16, "personal-epochs": 0}
 
 
@@ -65,7 +66,7 @@ class Agents:
                 routed[v][u] = box
         return keys, routed
 
-    def train(self, slot: int, session: str | None, alive: list[int] | None = None, routed: dict[int, bytes] | None = None,
+    def train(self, slot: int, session: str | None, alive: list[int] | None = None, routed: dict[int, bytes] | None = None, max_weight: int = 1000,
               **extra_config) -> edge_pb2.TrainReply:
         config = struct_pb2.Struct()
         config.update({**CONFIG, **extra_config})
@@ -73,7 +74,7 @@ class Agents:
         if session is not None:
             layout = SecureLayout.of({ARCH: sum(v.size for v in self.weights.values())}, classes=6, metrics=True)
             secagg = to_values({"session": session, "alive": alive or [], "clip": 10.0, "scale": float(quantize.DEFAULT_SCALE),
-                                "max-weight": 1000, **layout.fields(), "from": list((routed or {}).keys()),
+                                "max-weight": max_weight, **layout.fields(), "from": list((routed or {}).keys()),
                                 "boxes": list((routed or {}).values())})
         return self.stubs[slot].Train(edge_pb2.TrainRequest(run_id="attack", server_round=1, weights=to_tensors(self.weights), config=config,
                                                              secagg=secagg))
@@ -175,8 +176,29 @@ def test_a_factory_sharing_the_dp_noise_counts_only_the_honest_inputs_it_checked
 
         plain = agents.train(3, None)  # no secure sum: the whole noise, and the reply says so
         assert plain.metrics["dp-noise-holders"] == 1 and plain.metrics["epsilon-alone"] == pytest.approx(plain.metrics["epsilon-spent"])
+        assert not {"train-loss", "train-accuracy", "update-norm"} & set(plain.metrics)  # no statistic of its images made without noise
+
+        # a weight cap below its image count would scale its update (and its share of the noise) apart from the others': refused
+        _, routed = agents.keyed("capped", threshold=5)
+        details = _refused(lambda: agents.train(4, "capped", alive=list(agents.stubs), routed=routed[4], max_weight=10),
+                           grpc.StatusCode.FAILED_PRECONDITION)
+        assert "raise max-weight" in details
     finally:
         agents.close()
+
+
+def test_the_servers_clip_never_acts_on_an_update_that_carries_only_a_share_of_the_noise(tmp_path):
+    """Clipping one factory's update alone (its noise is a share) would act on a vector that is not private by itself: a factory
+    sharing the sum's noise takes no clip from the server, whatever it sends; one with its own noise (local DP-SGD) keeps it."""
+    from client.agent import EdgeAgentServicer
+    from client.trainer import FactoryTrainer, LocalRound
+    from common.secagg.messages import MaskedInput
+
+    secure = MaskedInput("s", [1, 2, 3], 1e-9, float(quantize.DEFAULT_SCALE), 1000, [], [], SecureLayout.of({ARCH: 4}))
+    local = LocalRound(OrderedDict(), 36, None, None, {}, {"epsilon-spent": 1.0})
+    shared = EdgeAgentServicer(FactoryTrainer(AgentConfig(factory_id="a", dp=True, dp_secure_sum=True, train_size=40, state_dir=str(tmp_path / "a"))))
+    alone = EdgeAgentServicer(FactoryTrainer(AgentConfig(factory_id="b", dp=True, train_size=40, state_dir=str(tmp_path / "b"))))
+    assert shared._clip_for(secure, local) == float("inf") and alone._clip_for(secure, local) == 1e-9
 
 
 def test_a_factory_that_requires_secure_aggregation_never_answers_in_plaintext(six):
@@ -220,18 +242,18 @@ def test_a_forged_share_never_silently_corrupts_the_sum():
     routed = server.add_share_boxes({u: clients[u].share_keys(*plan[u]) for u in slots if u != 5})  # 5 drops after advertising
     for u in (1, 2, 3, 4):
         clients[u].receive_boxes(routed[u])
-        server.add_masked_input(u, clients[u].mask(quantize.encode(inputs[u]), server.u2))
+        server.add_masked_input(u, clients[u].mask(quantize.encode(inputs[u]), server.u2, TERMS))
     survivors, dropped = server.unmask_request()
     answers = {u: clients[u].unmask(survivors, dropped) for u in survivors}
     seeds, forged_keys = answers[2]
     index, share = seeds[1]
     answers[2] = ({**seeds, 1: (index, bytes(b ^ 0x5A for b in share))}, forged_keys)  # a forged share of slot 1's seed
-    total = quantize.decode(server.result(answers))
+    total = quantize.decode(server.result(answers, TERMS))
     np.testing.assert_allclose(total, sum(inputs[u] for u in survivors), atol=quantize.error_bound(4))
     # with only t shares left, one of them forged: the round aborts instead of decoding a wrong sum
     lean = {u: answers[u] for u in (1, 2, 3)}
     with pytest.raises(SecAggAborted, match="forged shares"):
-        server.result(lean)
+        server.result(lean, TERMS)
 
 
 def test_unusable_answers_from_one_factory_are_a_dropout(tmp_path):
