@@ -158,6 +158,13 @@ def test_the_quality_bench_compares_on_your_own_folders(tmp_path):
     dp_mean, dp_worst = (float(v) for v in cells[9].split(","))  # DP served - served: mean, worst factory
     assert 0.0 <= float(cells[8]) <= 1.0 and -1.0 <= dp_worst <= dp_mean <= 1.0, row
 
+    # factories that share the secure sum's noise, as a secure round of 2 would let them: the default threshold 2, no colluder
+    run = subprocess.run([sys.executable, str(bench), "--folders", str(tmp_path / "root"), "--recipes", "default", "--seeds", "0",
+                          "--workdir", str(tmp_path / "work"), "--threads", "1", "--dp", "--dp-secure-sum", "--dp-rounds", "2"],
+                         capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert '"dp_rounds": 2, "dp_noise_holders": 2' in run.stdout
+
     (tmp_path / "root" / "plant-b" / "test").rename(tmp_path / "elsewhere")
     run = subprocess.run([sys.executable, str(bench), "--folders", str(tmp_path / "root")], capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode != 0 and "plant-b/test" in run.stderr + run.stdout
