@@ -31,7 +31,6 @@ from common.distill import ProxyCache, ProxySet, ProxySetError
 from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
 from common.secagg.layout import Contribution
 from common.secagg.messages import Advertise, Boxes, MaskedInput, Share, Shares, Unmask
-from common.secagg.terms import round_terms
 from common.secagg.update import flatten
 from common.secagg.wire import from_values, to_values
 from common.tensors import UpdateError, from_tensor, from_tensors, to_tensor, to_tensors
@@ -108,7 +107,7 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
             encoded, _ = secure.layout.encode(contribution, self._clip_for(secure, local), secure.scale, secure.max_weight)
             if self.audit is not None:
                 self.audit(request.server_round, encoded)
-            masked = session.mask(encoded, secure.alive, round_terms(config, secure.clip, secure.scale, secure.max_weight, secure.layout))
+            masked = session.mask(encoded, secure.alive, secure.terms(config))
             shared = {**(summed_metrics or {}), **self._own(local)} if self.trainer.cfg.share_metrics else {}
             return edge_pb2.TrainReply(factory_id=factory_id, masked=to_tensor("masked", masked), metrics={**local.privacy, **shared})
 
@@ -206,7 +205,7 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
             session.receive_boxes(secure.routed())
             contribution = Contribution(num_examples=result.examples, confusion=result.confusion, confusion_group=str(config.get("architecture")))
             encoded, _ = secure.layout.encode(contribution, secure.clip, secure.scale, secure.max_weight)
-            masked = session.mask(encoded, secure.alive, round_terms(config, secure.clip, secure.scale, secure.max_weight, secure.layout))
+            masked = session.mask(encoded, secure.alive, secure.terms(config))
             return edge_pb2.EvaluateReply(factory_id=factory_id, masked=to_tensor("masked", masked), metrics=own)
 
     def Describe(self, request: edge_pb2.DescribeRequest, context: grpc.ServicerContext) -> edge_pb2.DescribeReply:

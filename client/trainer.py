@@ -376,11 +376,10 @@ class FactoryTrainer:
         ignored = sorted(k for k in config if k.startswith("dp-") or k in ("noise-multiplier", "max-grad-norm", "epsilon", "delta"))
         if ignored:
             log.warning("ignoring privacy settings sent by the server %s: the budget and noise are factory configuration", ignored)
-        holders = max(1, int(noise_holders)) if self.budget.secure_sum else 1
         if self.budget.secure_sum:
-            rate, steps = 1.0, 1
+            holders, rate, steps = max(1, int(noise_holders)), 1.0, 1
         else:
-            rate, steps = sample_rate(n, cfg.batch_size), cfg.epochs * steps_per_epoch(n, cfg.batch_size)
+            holders, rate, steps = 1, sample_rate(n, cfg.batch_size), cfg.epochs * steps_per_epoch(n, cfg.batch_size)
         noise = noise_for_budget(self.budget.epsilon_max, self.budget.delta, rate, self.budget.planned_rounds * steps)
         epsilon = self.ledger.charge(self.budget, run_id, server_round, noise, rate, steps, noise_holders=holders)
         mode = "ghost_fsdp" if self.cfg.parallelism == "fsdp" else self.budget.grad_sample_mode

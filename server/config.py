@@ -32,7 +32,7 @@ DISTILL_MODES = ("off", "after", "only")
 SERVER_OPTIMIZERS = ("fedavg", "fedavgm", "fedadam")
 LR_SCHEDULES = ("constant", "cosine")
 # Rounds of a run whose factories share the secure sum's DP noise (--dp-secure-sum): each round is one DP step, and 30 of
-# them reached within 5 points of the 10-round run without DP on the built-in data (docs/benchmarks.md)
+# them came within 5.5 to 6.7 points of the 10-round run without DP on three data sets (docs/benchmarks.md)
 SECURE_SUM_DP_ROUNDS = 30
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Self
 
 from common.secagg.layout import SecureLayout
+from common.secagg.terms import round_terms
 
 RECORD = "secagg"  # the ConfigRecord (and gRPC map) that carries this phase's message
 NEXT = "next/"  # key prefix of the next session's stage riding on this phase's message (pipelined key exchange)
@@ -183,6 +184,11 @@ class MaskedInput(_Message):
 
     def routed(self) -> dict[int, bytes]:
         return dict(zip(self.senders, self.boxes, strict=True))
+
+    def terms(self, config: Mapping[str, Any]) -> bytes:
+        """The digest of the round's terms this input is made under: ``config`` (the message's) and this encoding
+        (`common.secagg.terms`); the factory binds its pairwise masks to it."""
+        return round_terms(config, self.clip, self.scale, self.max_weight, self.layout)
 
 
 @dataclass(frozen=True)
