@@ -75,12 +75,13 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
             holders = session.honest_inputs() if session is not None else 1
             local = self.trainer.train(global_weights, config, request.server_round, request.run_id, public=self._public_for(config),
                                        noise_holders=holders)
-            log.info("round %d: trained on %d examples, loss %.4f%s; %.1fs since the request arrived (%.1fs waiting for the agent, "
+            log.info("round %d: trained, weight %d, loss %.4f%s; %.1fs since the request arrived (%.1fs waiting for the agent, "
                      "%.1fs training)", request.server_round, local.examples, local.metrics["train-loss"], " (secure)" if secure else "",
                      time.monotonic() - arrived, waited, local.metrics["train-seconds"])
             if self.after_round is not None:  # once this round's personal model exists
                 threading.Thread(target=self._reconsider, daemon=True, name="fedforge-reconsider").start()
-            predictions = self.trainer.predict(local.weights, config, proxy, float(config.get("temperature", 2.0))) if proxy is not None else None
+            predictions = (self.trainer.predict(local.weights, config, proxy, float(config.get("temperature", 2.0)), request.run_id,
+                                                request.server_round) if proxy is not None else None)
             confusion = local.received.confusion if local.received is not None else np.zeros((len(_classes(config)),) * 2, dtype=np.int64)
             update_norm = float(np.linalg.norm(flatten(local.weights) - flatten(global_weights)))
             metrics = {**local.metrics, "update-norm": update_norm}
@@ -121,7 +122,8 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
         if not (self.trainer.budget is not None and self.trainer.budget.secure_sum and local.privacy):
             return secure.clip
         if local.examples > secure.max_weight:
-            raise PolicyRefusal(f"factory {self.trainer.cfg.factory_id} shares the secure sum's DP noise and trains on {local.examples} images, "
+            raise PolicyRefusal(f"factory {self.trainer.cfg.factory_id} shares the secure sum's DP noise and weights its update by {local.examples} "
+                                f"(its released image count), "
                                 f"more than the round's max-weight {secure.max_weight}: its update would be scaled apart from the others'; "
                                 f"raise max-weight in the run configuration")
         return math.inf

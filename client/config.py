@@ -57,6 +57,7 @@ class AgentConfig:
     dp_grad_sample_mode: str = "hooks"
     dp_fix_model: bool = False
     dp_secure_sum: bool = False  # share the secure sum's noise with its other honest inputs (docs/security.md)
+    dp_count_noise: float = 4.0  # noise multiplier of the one release of the training class counts (distillation rounds)
 
     def validated(self) -> AgentConfig:
         self.privacy_budget()  # raises ValueError naming the bad --dp-* option
@@ -80,7 +81,7 @@ class AgentConfig:
         if not self.dp:
             return None
         return PrivacyBudget(self.dp_epsilon, self.dp_delta, self.dp_max_grad_norm, self.dp_planned_rounds, self.dp_grad_sample_mode,
-                             secure_sum=self.dp_secure_sum)
+                             secure_sum=self.dp_secure_sum, count_noise=self.dp_count_noise)
 
     @property
     def memory_limit(self) -> int:

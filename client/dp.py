@@ -91,6 +91,14 @@ def _urandom_generator() -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1))
 
 
+def noisy_counts(counts: np.ndarray, noise_multiplier: float) -> np.ndarray:
+    """``counts`` (sensitivity 1) plus Gaussian noise of standard deviation ``noise_multiplier``, then rounded and floored
+    at 0 (post-processing: costs nothing more). The noise comes from a generator seeded by ``os.urandom``."""
+    counts = np.asarray(counts, dtype=np.float64)
+    noise = torch.normal(0.0, float(noise_multiplier), size=counts.shape, generator=_urandom_generator(), dtype=torch.float64).numpy()
+    return np.maximum(0.0, np.rint(counts + noise))
+
+
 def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader, noise_multiplier: float, max_grad_norm: float,
                  grad_sample_mode: str, poisson_sampling: bool) -> tuple[nn.Module, Any, Any, DataLoader]:
     """Opacus' ``make_private`` with one return shape: (model, optimizer, criterion, loader).
@@ -127,14 +135,16 @@ def train_private(model: nn.Module, data: ImageSet, cfg: TrainConfig, plan: DPPl
 
 
 def noisy_gradient_step(model: nn.Module, data: ImageSet, lr: float, noise_multiplier: float, max_grad_norm: float,
-                        chunk: int = 512) -> TrainResult:
+                        chunk: int = 512, normaliser: int | None = None) -> TrainResult:
     """One DP gradient step over the whole of ``data``: the Gaussian mechanism on the sum of per-example gradients.
 
     Each example's gradient (at the weights ``model`` holds) is clipped to ``max_grad_norm``; their sum gets Gaussian
     noise of standard deviation ``noise_multiplier * max_grad_norm`` (drawn from a generator seeded by ``os.urandom``),
-    and the trainable parameters move by ``-lr * (sum + noise) / len(data)``. This is what a factory that shares the
-    secure sum's noise sends (``--dp-secure-sum``, docs/security.md): its weighted update, summed with the others' in the
-    secure sum, is one DP-SGD step over every factory's images with the noise of all of them. Per-example gradients come
+    and the trainable parameters move by ``-lr * (sum + noise) / normaliser``, ``normaliser`` being the weight the update
+    is sent with (the total of the factory's released class counts; ``len(data)`` by default). This is what a factory that
+    shares the secure sum's noise sends (``--dp-secure-sum``, docs/security.md): its weighted update, summed with the
+    others' in the secure sum, is exactly the noisy sum of clipped gradients, one DP-SGD step over every factory's images
+    with the noise of all of them. Per-example gradients come
     from ``torch.func`` in chunks, so memory stays bounded whatever the split's size.
     """
     from torch.func import functional_call, grad, vmap
@@ -172,7 +182,7 @@ def noisy_gradient_step(model: nn.Module, data: ImageSet, lr: float, noise_multi
     with torch.no_grad():
         for name, p in trainable.items():
             noise = torch.normal(0.0, noise_multiplier * max_grad_norm, size=p.shape, generator=generator)
-            p.sub_(lr * (total[name] + noise.to(p.dtype)) / n)
+            p.sub_(lr * (total[name] + noise.to(p.dtype)) / (normaliser or n))
     if not all(torch.isfinite(p).all() for p in trainable.values()):
         raise FloatingPointError("the DP gradient step gave non-finite weights; lower secure-sum-lr")
     return TrainResult(loss=loss_sum / n, accuracy=correct / n, steps=1, examples=n)

@@ -1,17 +1,24 @@
-"""The factory's privacy budget: a durable ledger of every DP training charge, and its enforcement.
+"""The factory's privacy budget: a durable ledger of every DP charge, and its enforcement.
 
 The budget (epsilon_max, delta) is factory configuration; nothing the server sends can raise it or
 lower the noise. Before a round trains, the agent computes the epsilon the full history *plus this
 round* would reach and refuses the round if that exceeds epsilon_max. The charge is committed
 (SQLite, synchronous=FULL) before training starts, so a crash or kill -9 can only over-count.
+
+Beside DP-SGD's steps a factory releases one statistic of its training images: its class counts, which
+a distillation round weights its predictions with. They leave as one Gaussian release, charged here and
+kept, so every later round reuses the same noisy counts at no further cost (`PrivacyLedger.release`);
+the noise of DP-SGD is planned with that release inside the budget (`noise_for_budget`'s ``reserved``).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import sqlite3
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -31,6 +38,9 @@ class PrivacyBudget:
     # One full-batch DP step per round whose noise this factory shares with the other honest inputs of the secure sum
     # (--dp-secure-sum; client.trainer, docs/security.md); False: local DP-SGD, every update private on its own
     secure_sum: bool = False
+    # Noise multiplier of the one release of the factory's training class counts (sensitivity 1: adding or removing an image
+    # changes one count by one); 4 adds about 1% to DP-SGD's noise at epsilon 8 and leaves each count +-4 (docs/security.md)
+    count_noise: float = 4.0
 
     def __post_init__(self) -> None:
         if not (self.epsilon_max > 0 and math.isfinite(self.epsilon_max)):
@@ -39,6 +49,13 @@ class PrivacyBudget:
             raise ValueError(f"--dp-delta must be in (0, 1), got {self.delta}")
         if self.max_grad_norm <= 0 or self.planned_rounds < 1:
             raise ValueError("--dp-max-grad-norm must be > 0 and --dp-planned-rounds >= 1")
+        if not (self.count_noise > 0 and math.isfinite(self.count_noise)):
+            raise ValueError(f"--dp-count-noise must be a positive number, got {self.count_noise}")
+
+    @property
+    def reserved(self) -> tuple[tuple[float, float, int], ...]:
+        """The releases besides DP-SGD's steps that the plan keeps room for: one Gaussian release of the class counts."""
+        return ((self.count_noise, 1.0, 1),)
 
 
 @dataclass(frozen=True)
@@ -73,17 +90,39 @@ def epsilon_of(history: list[tuple[float, float, int]], delta: float) -> float:
 
 
 @lru_cache(maxsize=64)
-def noise_for_budget(epsilon_max: float, delta: float, sample_rate: float, total_steps: int) -> float:
-    """The noise multiplier that spends exactly the whole budget over ``total_steps`` steps."""
+def noise_for_budget(epsilon_max: float, delta: float, sample_rate: float, total_steps: int,
+                     reserved: tuple[tuple[float, float, int], ...] = ()) -> float:
+    """The noise multiplier that spends the whole budget over ``total_steps`` steps, leaving room for the ``reserved``
+    releases (noise multiplier, sample rate, steps) that the same budget must also pay for."""
     from opacus.accountants.utils import get_noise_multiplier
 
-    try:
-        return float(get_noise_multiplier(target_epsilon=epsilon_max, target_delta=delta, sample_rate=sample_rate, steps=total_steps, accountant="rdp"))
-    except ValueError as exc:
-        raise BudgetExhausted(
+    def refused(why: str) -> BudgetExhausted:
+        return BudgetExhausted(
             f"no noise level fits {total_steps} DP steps at sample rate {sample_rate:.4f} into epsilon_max {epsilon_max} "
-            f"(delta {delta}): {exc} The round is refused and nothing is sent; raise --dp-epsilon or lower --dp-planned-rounds or the local epochs."
-        ) from exc
+            f"(delta {delta}){' beside the class-count release' if reserved else ''}: {why} The round is refused and nothing is sent; "
+            f"raise --dp-epsilon or lower --dp-planned-rounds or the local epochs.")
+
+    try:
+        alone = float(get_noise_multiplier(target_epsilon=epsilon_max, target_delta=delta, sample_rate=sample_rate, steps=total_steps, accountant="rdp"))
+    except ValueError as exc:
+        raise refused(str(exc)) from exc
+    if not reserved:
+        return alone
+
+    def fits(noise: float) -> bool:
+        return epsilon_of([(noise, sample_rate, total_steps), *reserved], delta) <= epsilon_max
+
+    if epsilon_of(list(reserved), delta) >= epsilon_max:
+        raise refused(f"the class-count release alone spends {epsilon_of(list(reserved), delta):.3f}.")
+    low, high = alone, alone * 1.5  # the steps alone fit at `alone`; with the reserved releases a little more noise is needed
+    while not fits(high):
+        low, high = high, high * 2
+        if high > 1e6:
+            raise refused("the reserved releases leave no room for any step.")
+    while high - low > 1e-4 * high:  # bisection: the smallest noise (to 0.01%) at which everything fits
+        middle = (low + high) / 2
+        low, high = (low, middle) if fits(middle) else (middle, high)
+    return high
 
 
 class PrivacyLedger:
@@ -105,6 +144,11 @@ class PrivacyLedger:
             "CREATE TABLE IF NOT EXISTS charges (id INTEGER PRIMARY KEY AUTOINCREMENT, factory_id TEXT NOT NULL,"
             " run_id TEXT NOT NULL, server_round INTEGER NOT NULL, noise_multiplier REAL NOT NULL, sample_rate REAL NOT NULL,"
             " steps INTEGER NOT NULL, delta REAL NOT NULL, created_at REAL NOT NULL)"
+        )
+        # what a charge that is not a DP-SGD round bought: the noisy statistic, kept so that it is released only once
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS releases (kind TEXT NOT NULL, data_key TEXT NOT NULL, value TEXT NOT NULL,"
+            " charge_id INTEGER NOT NULL REFERENCES charges(id), PRIMARY KEY (kind, data_key))"
         )
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(charges)")}
         if "noise_holders" not in columns:  # a ledger written before --dp-secure-sum: every charge was its own noise
@@ -139,24 +183,57 @@ class PrivacyLedger:
         """
         self._db.execute("BEGIN IMMEDIATE")
         try:
-            history = [(n, q, k) for n, q, k in self._db.execute("SELECT noise_multiplier, sample_rate, steps FROM charges ORDER BY id")]
-            after = epsilon_of(history + [(noise_multiplier, sample_rate, steps)], budget.delta)
-            if after > budget.epsilon_max:
-                spent = epsilon_of(history, budget.delta)
-                raise BudgetExhausted(
-                    f"privacy budget of factory {self.factory_id} exhausted: this round ({steps} DP steps at noise {noise_multiplier:.3f}, "
-                    f"sample rate {sample_rate:.4f}) would bring epsilon from {spent:.3f} to {after:.3f} > epsilon_max {budget.epsilon_max} "
-                    f"(delta {budget.delta}); the round is refused and nothing is sent. Raise --dp-epsilon on the factory to train more."
-                )
-            self._db.execute(
-                "INSERT INTO charges (factory_id, run_id, server_round, noise_multiplier, sample_rate, steps, delta, created_at, noise_holders)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (self.factory_id, run_id, server_round, noise_multiplier, sample_rate, steps, budget.delta, time.time(), int(noise_holders)),
-            )
+            after = self._insert_charge(budget, run_id, server_round, noise_multiplier, sample_rate, steps, noise_holders,
+                                        what=f"this round ({steps} DP steps at noise {noise_multiplier:.3f}, sample rate {sample_rate:.4f})")
             self._db.execute("COMMIT")  # committed and fsync'd (synchronous=FULL) before any training starts
         except BaseException:
             self._db.execute("ROLLBACK")
             raise
+        return after
+
+    def release(self, budget: PrivacyBudget, run_id: str, server_round: int, kind: str, data_key: str, noise_multiplier: float,
+                draw: Callable[[], list[float]]) -> list[float]:
+        """The noisy value of statistic ``kind`` of the data named ``data_key``: released once, then reused.
+
+        The first call charges one Gaussian release (sample rate 1, one step, the factory's own noise) if it fits the budget,
+        and keeps ``draw()``'s value with the charge in one transaction; every later call returns that same value and charges
+        nothing (the same answer again reveals nothing more). Another ``data_key`` (the data changed) is a new release.
+        """
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            row = self._db.execute("SELECT value FROM releases WHERE kind = ? AND data_key = ?", (kind, data_key)).fetchone()
+            if row is None:
+                self._insert_charge(budget, run_id, server_round, noise_multiplier, 1.0, 1, 1,
+                                    what=f"releasing its {kind} (one Gaussian release at noise {noise_multiplier:.3f})")
+                value = [float(v) for v in draw()]
+                charge_id = self._db.execute("SELECT last_insert_rowid()").fetchone()[0]
+                self._db.execute("INSERT INTO releases (kind, data_key, value, charge_id) VALUES (?, ?, ?, ?)",
+                                 (kind, data_key, json.dumps(value), charge_id))
+            else:
+                value = [float(v) for v in json.loads(row[0])]
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        return value
+
+    def _insert_charge(self, budget: PrivacyBudget, run_id: str, server_round: int, noise_multiplier: float, sample_rate: float, steps: int,
+                       noise_holders: int, what: str) -> float:
+        """Inside a write transaction: refuse (`BudgetExhausted`) or record one charge; epsilon after it."""
+        history = [(n, q, k) for n, q, k in self._db.execute("SELECT noise_multiplier, sample_rate, steps FROM charges ORDER BY id")]
+        after = epsilon_of(history + [(noise_multiplier, sample_rate, steps)], budget.delta)
+        if after > budget.epsilon_max:
+            spent = epsilon_of(history, budget.delta)
+            raise BudgetExhausted(
+                f"privacy budget of factory {self.factory_id} exhausted: {what} would bring epsilon from {spent:.3f} to {after:.3f} "
+                f"> epsilon_max {budget.epsilon_max} (delta {budget.delta}); the round is refused and nothing is sent. "
+                f"Raise --dp-epsilon on the factory to train more."
+            )
+        self._db.execute(
+            "INSERT INTO charges (factory_id, run_id, server_round, noise_multiplier, sample_rate, steps, delta, created_at, noise_holders)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (self.factory_id, run_id, server_round, noise_multiplier, sample_rate, steps, budget.delta, time.time(), int(noise_holders)),
+        )
         return after
 
     def close(self) -> None:

@@ -14,6 +14,8 @@ For the pretrained family the frozen backbone's features are computed once per i
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import os
@@ -31,7 +33,7 @@ from torch import nn
 
 from client.config import AgentConfig
 from client.data import DataRequest, FactoryData, fit_reason, open_source
-from client.dp import DPPlan, check_dp_compatible, noisy_gradient_step, sample_rate, steps_per_epoch, train_private
+from client.dp import DPPlan, check_dp_compatible, noisy_counts, noisy_gradient_step, sample_rate, steps_per_epoch, train_private
 from client.parallel import apply_activation_checkpointing
 from client.personal import PersonalModels, hit_rate, weights_digest
 from client.privacy import PrivacyLedger, noise_for_budget
@@ -81,7 +83,7 @@ class Prepared:
 @dataclass
 class LocalRound:
     weights: OrderedDict[str, np.ndarray]  # the new federated weights
-    examples: int
+    examples: int  # the update's weight: the image count (with DP: the total of the released class counts)
     received: EvalResult | None  # the global model it was sent, on this factory's held-out split
     trained: EvalResult | None  # the model it trained, on the same split (the personal model)
     metrics: dict[str, float]  # train-loss, train-accuracy, steps, train-seconds, eval-seconds
@@ -204,9 +206,12 @@ class FactoryTrainer:
         """One round's local training. ``public``: the run's proxy set (public images), in whose principal subspace a head
         trained with DP-SGD trains (`client.subspace`); without it such a head trains whole. ``noise_holders``: for a factory
         that shares the secure sum's DP noise (--dp-secure-sum), the honest inputs of the sum this round's update goes into,
-        as the agent verified them (`SecAggClient.honest_inputs`; 1 outside a secure sum): it adds 1/noise_holders of the noise."""
+        as the agent verified them (`SecAggClient.honest_inputs`; 1 outside a secure sum): it adds 1/noise_holders of the noise.
+        A DP factory's update is weighted by the total of its released class counts (`class_counts`), never by its exact
+        image count: the release is charged before anything trains, once."""
         cfg = train_config_from(config, server_round)
         prep = self.prepare(weights, config, fresh=self.budget is not None)
+        weight = max(1, int(self.class_counts(prep, run_id, server_round).sum())) if self.budget is not None else None
         t0 = time.perf_counter()
         received = evaluate(prep.trainable, prep.held_out) if len(prep.held_out) else None
         eval_seconds = time.perf_counter() - t0
@@ -226,7 +231,8 @@ class FactoryTrainer:
             if dp_plan is None:
                 result = train(trainable, prep.train_set, cfg)
             elif secure_sum_step:  # one full-batch step, in the agent's process (a worker group is not needed for one step)
-                result = noisy_gradient_step(trainable, prep.train_set, private_cfg.secure_sum_lr, dp_plan.noise_multiplier, dp_plan.max_grad_norm)
+                result = noisy_gradient_step(trainable, prep.train_set, private_cfg.secure_sum_lr, dp_plan.noise_multiplier, dp_plan.max_grad_norm,
+                                             normaliser=weight)
             else:
                 result = train_private(trainable, prep.train_set, private_cfg, dp_plan)
             if isinstance(trainable, SubspaceHead):  # back to a whole head: what every other site expects
@@ -246,7 +252,7 @@ class FactoryTrainer:
                 self._personal_done = self._personal_jobs.submit(self._personalise, prep, weights, cfg, received, server_round)
         metrics = {"train-loss": result.loss, "train-accuracy": result.accuracy, "steps": float(result.steps),
                    "train-seconds": train_seconds, "eval-seconds": eval_seconds}
-        return LocalRound(new, result.examples, received, trained, metrics, privacy)
+        return LocalRound(new, weight if weight is not None else result.examples, received, trained, metrics, privacy)
 
     def wait_personal(self) -> None:
         """Wait for the latest round's personal fine-tune (its model and figures), however it ended."""
@@ -380,7 +386,7 @@ class FactoryTrainer:
             holders, rate, steps = max(1, int(noise_holders)), 1.0, 1
         else:
             holders, rate, steps = 1, sample_rate(n, cfg.batch_size), cfg.epochs * steps_per_epoch(n, cfg.batch_size)
-        noise = noise_for_budget(self.budget.epsilon_max, self.budget.delta, rate, self.budget.planned_rounds * steps)
+        noise = noise_for_budget(self.budget.epsilon_max, self.budget.delta, rate, self.budget.planned_rounds * steps, self.budget.reserved)
         epsilon = self.ledger.charge(self.budget, run_id, server_round, noise, rate, steps, noise_holders=holders)
         mode = "ghost_fsdp" if self.cfg.parallelism == "fsdp" else self.budget.grad_sample_mode
         plan = DPPlan(noise_multiplier=noise / math.sqrt(holders), max_grad_norm=self.budget.max_grad_norm, sample_rate=rate, grad_sample_mode=mode)
@@ -416,8 +422,9 @@ class FactoryTrainer:
         return predict_logits(prep.trainable, prep.held_out).argmax(1) == np.asarray(prep.held_out.labels)
 
     def predict(self, weights: OrderedDict[str, np.ndarray], config: dict[str, Any], proxy: ProxySet,
-                temperature: float) -> tuple[np.ndarray, np.ndarray]:
-        """Balanced predictions on the proxy set with ``weights`` (the model it just trained), and its class counts."""
+                temperature: float, run_id: str = "", server_round: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Balanced predictions on the proxy set with ``weights`` (the model it just trained), and its class counts
+        (`class_counts`: released with noise by a DP factory)."""
         if not temperature > 0:
             raise UpdateError(f"distillation temperature must be > 0, got {temperature}")
         prep = self.prepare(weights, config)
@@ -427,14 +434,29 @@ class FactoryTrainer:
             probabilities = predict_proxy(prep.model, proxy, temperature)
         if not np.isfinite(probabilities).all():  # a diverged local model: never send it into the secure sum
             raise UpdateError(f"factory {self.cfg.factory_id}: predictions on the proxy set are not finite")
-        counts = np.bincount(np.asarray(prep.train_set.labels), minlength=len(prep.request.classes)).astype(np.float64)
+        counts = self.class_counts(prep, run_id, server_round)
         return balanced_predictions(probabilities, counts), counts
+
+    def class_counts(self, prep: Prepared, run_id: str = "", server_round: int = 0) -> np.ndarray:
+        """The factory's training class counts as they may leave it: exact without DP; with DP one Gaussian release of them
+        (``--dp-count-noise``), charged to the ledger the first time and the same noisy counts every time after, until the
+        counts change. Exact counts would reveal, e.g., whether the factory holds one image of a rare defect."""
+        counts = np.bincount(np.asarray(prep.train_set.labels), minlength=len(prep.request.classes)).astype(np.float64)
+        if self.budget is None or self.ledger is None:
+            return counts
+        key = hashlib.sha256(json.dumps([list(prep.request.classes), counts.astype(np.int64).tolist()]).encode()).hexdigest()
+        noise = self.budget.count_noise
+        released = self.ledger.release(self.budget, run_id, server_round, "class-counts", key, noise, lambda: noisy_counts(counts, noise).tolist())
+        return np.asarray(released, dtype=np.float64)
 
     def privacy_status(self) -> dict[str, float]:
         if self.budget is None or self.ledger is None:
             return {}
         spent = self.ledger.spent(self.budget.delta)
-        return {"epsilon-spent": spent, "epsilon-remaining": max(0.0, self.budget.epsilon_max - spent), "epsilon-max": self.budget.epsilon_max}
+        status = {"epsilon-spent": spent, "epsilon-remaining": max(0.0, self.budget.epsilon_max - spent), "epsilon-max": self.budget.epsilon_max}
+        if self.budget.secure_sum:
+            status["epsilon-alone"] = self.ledger.spent_alone(self.budget.delta)
+        return status
 
     def close(self) -> None:
         self._personal_jobs.shutdown(wait=True)  # a personal model being written is finished, not torn

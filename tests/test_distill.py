@@ -204,8 +204,8 @@ def test_secure_distillation_server_sees_only_sums_and_survives_a_dropout(tmp_pa
     for agent in agents:
         original = agent.trainer.predict
 
-        def recording(weights, config, proxy, temperature, _orig=original, _id=agent.trainer.cfg.factory_id):
-            out = _orig(weights, config, proxy, temperature)
+        def recording(weights, config, proxy, temperature, *where, _orig=original, _id=agent.trainer.cfg.factory_id):
+            out = _orig(weights, config, proxy, temperature, *where)
             predictions[_id] = out
             return out
         agent.trainer.predict = recording

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
@@ -22,14 +23,14 @@ from torch import nn
 
 from client.config import AgentConfig
 from client.dp import DPConfigError, DPPlan, check_dp_compatible, noisy_gradient_step, sample_rate, train_private
-from client.privacy import BudgetExhausted, PrivacyBudget, PrivacyLedger
+from client.privacy import BudgetExhausted, PrivacyBudget, PrivacyLedger, epsilon_of, noise_for_budget
 from client.trainer import FactoryTrainer
 from common.data import datasets
 from common.features import FeatureSet
 from common.models import build_model
 from common.procs import free_port
 from common.rpc.fedforge.v1 import edge_pb2, edge_pb2_grpc
-from common.tensors import to_tensors
+from common.tensors import from_tensor, to_tensors
 from common.training import TrainConfig
 
 
@@ -189,7 +190,8 @@ def test_the_ledger_charges_exactly_what_opacus_samples(tmp_path, n_images, batc
     trainer = FactoryTrainer(_cfg(tmp_path, train_size=n_images, dp_epsilon=50.0))
     train_set = trainer.data.split(DataRequest()).train
     trainer.train(_global(), {**CONFIG, "batch-size": batch, "local-epochs": 2}, 1, run_id="r")
-    (charge,) = trainer.ledger.charges()
+    (release, charge) = trainer.ledger.charges()  # the class counts' one release, then the round
+    assert (release.sample_rate, release.steps) == (1.0, 1)
     loader = DPDataLoader.from_data_loader(DataLoader(ImageSetDataset(train_set), batch_size=batch))
     assert charge.sample_rate == pytest.approx(loader.sample_rate) and charge.steps == 2 * len(loader)
 
@@ -265,23 +267,23 @@ def test_sharing_the_secure_sums_noise_charges_one_gaussian_step_and_keeps_what_
     shared = FactoryTrainer(_cfg(tmp_path / "shared", dp_secure_sum=True, dp_planned_rounds=10))
     for r in (1, 2):
         privacy = shared.train(_global(), CONFIG, r, run_id="r", noise_holders=4).privacy
-    (first, second) = shared.ledger.charges()
+    (_, first, second) = shared.ledger.charges()  # after the class counts' release
     assert (first.sample_rate, first.steps, first.noise_holders) == (1.0, 1, 4) and second.noise_multiplier == first.noise_multiplier
     sigma = first.noise_multiplier
     accountant = RDPAccountant()
-    accountant.history = [(sigma, 1.0, 2)]
+    accountant.history = [(sigma, 1.0, 2), (4.0, 1.0, 1)]
     assert privacy["epsilon-spent"] == pytest.approx(accountant.get_epsilon(delta=1e-5), rel=1e-9)
     alone = RDPAccountant()
-    alone.history = [(sigma / 2.0, 1.0, 2)]
+    alone.history = [(sigma / 2.0, 1.0, 2), (4.0, 1.0, 1)]  # the counts' release is this factory's own noise
     assert privacy["epsilon-alone"] == pytest.approx(alone.get_epsilon(delta=1e-5), rel=1e-9) and privacy["epsilon-alone"] > privacy["epsilon-spent"]
     assert privacy["dp-noise-holders"] == 4 and privacy["dp-steps"] == 1
-    # the whole budget fits the planned rounds: ten such rounds spend it exactly
-    accountant.history = [(sigma, 1.0, 10)]
+    # the whole budget fits the planned rounds: ten such rounds and the class counts' one release spend it exactly
+    accountant.history = [(sigma, 1.0, 10), (4.0, 1.0, 1)]
     assert accountant.get_epsilon(delta=1e-5) == pytest.approx(4.0, abs=0.05)
 
     local = FactoryTrainer(_cfg(tmp_path / "local"))
     privacy = local.train(_global(), CONFIG, 1, run_id="r", noise_holders=4).privacy
-    assert local.ledger.charges()[0].noise_holders == 1 and "epsilon-alone" not in privacy and privacy["dp-steps"] > 1
+    assert local.ledger.charges()[1].noise_holders == 1 and "epsilon-alone" not in privacy and privacy["dp-steps"] > 1
 
 
 def test_a_ledger_written_before_shared_noise_reads_as_the_factorys_own_noise(tmp_path):
@@ -297,3 +299,90 @@ def test_a_ledger_written_before_shared_noise_reads_as_the_factorys_own_noise(tm
     ledger = PrivacyLedger(path, "p")
     (charge,) = ledger.charges()
     assert charge.noise_holders == 1 and ledger.spent(1e-5) > 0 and ledger.spent_alone(1e-5) == pytest.approx(ledger.spent(1e-5))
+
+
+def test_the_noise_plan_keeps_room_for_the_class_count_release():
+    budget = PrivacyBudget(epsilon_max=8.0, delta=1e-5)
+    rate, steps = 0.25, 40
+    alone = noise_for_budget(8.0, 1e-5, rate, steps)
+    planned = noise_for_budget(8.0, 1e-5, rate, steps, budget.reserved)
+    assert planned > alone  # a little more noise per step ...
+    with_release = epsilon_of([(planned, rate, steps), *budget.reserved], 1e-5)
+    assert with_release <= 8.0 and with_release == pytest.approx(8.0, abs=0.01)  # ... so that steps and release spend the budget
+    assert epsilon_of([(alone, rate, steps), *budget.reserved], 1e-5) > 8.0
+    with pytest.raises(BudgetExhausted, match="class-count release alone"):
+        noise_for_budget(0.5, 1e-5, rate, steps, PrivacyBudget(epsilon_max=0.5, delta=1e-5, count_noise=0.5).reserved)
+    with pytest.raises(ValueError, match="--dp-count-noise"):
+        PrivacyBudget(epsilon_max=8.0, delta=1e-5, count_noise=0.0)
+
+
+def test_a_dp_factory_releases_its_class_counts_once_with_noise(tmp_path):
+    """Distillation weights predictions by class counts, and every update is weighted by an image count: a DP factory sends
+    a noisy release of its class counts and their total, charged once and reused."""
+    trainer = FactoryTrainer(_cfg(tmp_path, dp_epsilon=3.0, dp_planned_rounds=2))
+    prep = trainer.prepare(_global(), CONFIG)
+    exact = np.bincount(np.asarray(prep.train_set.labels), minlength=len(prep.request.classes))
+    local = trainer.train(_global(), CONFIG, 1, run_id="r")  # charged before training: one release, one round
+    assert [c.steps for c in trainer.ledger.charges()] == [1, trainer.ledger.charges()[1].steps]
+    released = trainer.class_counts(prep, "r", 1)
+    assert np.all(released >= 0) and np.all(released == np.rint(released)) and not np.array_equal(released, exact)
+    assert local.examples == int(released.sum())  # the update's weight is the released total, not the exact image count
+    charges = trainer.ledger.charges()
+    assert charges[0].noise_multiplier == 4.0 and charges[0].sample_rate == 1.0
+    # the same counts again, in later rounds or after a restart: the same release, nothing charged
+    trained = trainer.train(_global(), CONFIG, 2, run_id="r").weights
+    np.testing.assert_array_equal(trainer.predict(trained, CONFIG, np.zeros((4, 1, 64, 64), np.float32), 2.0, "r", 2)[1], released)
+    trainer.close()
+    again = FactoryTrainer(_cfg(tmp_path, dp_epsilon=3.0, dp_planned_rounds=2))
+    np.testing.assert_array_equal(again.class_counts(again.prepare(_global(), CONFIG), "r", 3), released)
+    assert len(again.ledger.charges()) == 3  # the release and the two planned rounds fit the budget together ...
+    with pytest.raises(BudgetExhausted):  # ... and nothing more does
+        again.train(_global(), CONFIG, 3, run_id="r")
+    accountant = RDPAccountant()  # the ledger's epsilon is Opacus' for every step and the release
+    for noise, rate, steps in again.ledger.history():
+        for _ in range(steps):
+            accountant.step(noise_multiplier=noise, sample_rate=rate)
+    spent = again.privacy_status()["epsilon-spent"]
+    assert accountant.get_epsilon(delta=1e-5) == pytest.approx(spent, rel=1e-9) and spent <= 3.0
+
+
+def test_a_dp_factory_in_a_distillation_round_sends_released_counts_and_their_cost(tmp_path):
+    """Over the agent's gRPC service: the class counts and the weight in the reply are the ledger's noisy release, and the
+    spend it reports includes that release."""
+    from client.agent import serve
+    from common.distill import ProxySet
+    from common.tensors import to_tensor
+
+    address = f"127.0.0.1:{free_port()}"
+    server = serve(_cfg(tmp_path, listen=address))
+    try:
+        stub = edge_pb2_grpc.EdgeAgentStub(grpc.insecure_channel(address))
+        proxy = ProxySet(np.random.default_rng(0).random((8, 1, 64, 64), dtype=np.float32))
+        assert stub.Proxy(edge_pb2.ProxyRequest(sha256=proxy.sha256, images=to_tensor("proxy", proxy.images))).have
+        config = struct_pb2.Struct()
+        config.update({**CONFIG, "proxy-sha256": proxy.sha256})
+        reply = stub.Train(edge_pb2.TrainRequest(run_id="r", server_round=1, weights=to_tensors(_global()), config=config))
+        ledger = PrivacyLedger(tmp_path / "state" / "privacy-ledger.db", "dp-plant")
+        ((value,),) = ledger._db.execute("SELECT value FROM releases WHERE kind = 'class-counts'").fetchall()
+        np.testing.assert_array_equal(from_tensor(reply.class_counts), np.asarray(json.loads(value)))
+        release, _ = ledger.charges()  # the release, then the round
+        assert (release.steps, release.sample_rate) == (1, 1.0)
+        assert reply.num_examples == int(sum(json.loads(value)))  # the update's weight: the released total
+        assert reply.metrics["epsilon-spent"] == pytest.approx(ledger.spent(1e-5))
+        assert "train-loss" not in reply.metrics  # nor any other training statistic
+    finally:
+        server.stop(grace=None)
+
+
+def test_a_class_count_release_over_budget_is_refused_and_keeps_nothing(tmp_path):
+    ledger = PrivacyLedger(tmp_path / "l.db", "x")
+    budget = PrivacyBudget(epsilon_max=0.5, delta=1e-5)  # one release at noise 4 costs about 1.0
+    with pytest.raises(BudgetExhausted, match="class-counts"):
+        ledger.release(budget, "r", 1, "class-counts", "k", 4.0, lambda: [1.0, 2.0])
+    assert ledger.charges() == [] and ledger._db.execute("SELECT count(*) FROM releases").fetchone()[0] == 0
+
+
+def test_a_factory_without_dp_sends_its_exact_class_counts(tmp_path):
+    trainer = FactoryTrainer(_cfg(tmp_path, dp=False))
+    prep = trainer.prepare(_global(), CONFIG)
+    np.testing.assert_array_equal(trainer.class_counts(prep), np.bincount(np.asarray(prep.train_set.labels), minlength=len(prep.request.classes)))
