@@ -78,8 +78,8 @@ def agent_options(f):  # type: ignore[no-untyped-def]
                      "only sums, if at most --secagg-colluders factories of a session collude or add no noise (docs/security.md). "
                      "Outside a secure sum the factory adds all of it."),
         click.option("--dp-count-noise", default=4.0, type=float, help="Noise multiplier of the one Gaussian release of the training "
-                     "class counts that distillation rounds weight predictions with (charged once, kept in the ledger, reused; the "
-                     "DP-SGD noise is planned with it inside --dp-epsilon)."),
+                     "class counts, the only counts a DP factory sends (its update's weight, its distillation weights); charged once, "
+                     "kept in the ledger and reused; the DP-SGD noise is planned with it inside --dp-epsilon."),
     ]
     for option in reversed(options):
         f = option(f)

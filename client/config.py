@@ -57,7 +57,7 @@ class AgentConfig:
     dp_grad_sample_mode: str = "hooks"
     dp_fix_model: bool = False
     dp_secure_sum: bool = False  # share the secure sum's noise with its other honest inputs (docs/security.md)
-    dp_count_noise: float = 4.0  # noise multiplier of the one release of the training class counts (distillation rounds)
+    dp_count_noise: float = 4.0  # noise multiplier of the one release of the training class counts (update weight, distillation)
 
     def validated(self) -> AgentConfig:
         self.privacy_budget()  # raises ValueError naming the bad --dp-* option

@@ -5,8 +5,9 @@ lower the noise. Before a round trains, the agent computes the epsilon the full 
 round* would reach and refuses the round if that exceeds epsilon_max. The charge is committed
 (SQLite, synchronous=FULL) before training starts, so a crash or kill -9 can only over-count.
 
-Beside DP-SGD's steps a factory releases one statistic of its training images: its class counts, which
-a distillation round weights its predictions with. They leave as one Gaussian release, charged here and
+Beside DP-SGD's steps a factory releases one statistic of its training images: its class counts, whose
+total weights its updates and which a distillation round weights its predictions with. They leave as one
+Gaussian release, charged here and
 kept, so every later round reuses the same noisy counts at no further cost (`PrivacyLedger.release`);
 the noise of DP-SGD is planned with that release inside the budget (`noise_for_budget`'s ``reserved``).
 """
@@ -18,7 +19,8 @@ import math
 import sqlite3
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -112,8 +114,9 @@ def noise_for_budget(epsilon_max: float, delta: float, sample_rate: float, total
     def fits(noise: float) -> bool:
         return epsilon_of([(noise, sample_rate, total_steps), *reserved], delta) <= epsilon_max
 
-    if epsilon_of(list(reserved), delta) >= epsilon_max:
-        raise refused(f"the class-count release alone spends {epsilon_of(list(reserved), delta):.3f}.")
+    reserved_alone = epsilon_of(list(reserved), delta)
+    if reserved_alone >= epsilon_max:
+        raise refused(f"the class-count release alone spends {reserved_alone:.3f}.")
     low, high = alone, alone * 1.5  # the steps alone fit at `alone`; with the reserved releases a little more noise is needed
     while not fits(high):
         low, high = high, high * 2
@@ -181,15 +184,9 @@ class PrivacyLedger:
         The check and the insert are one write transaction (``BEGIN IMMEDIATE``): two charges racing from
         two threads or processes cannot both pass a check the other would have failed.
         """
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            after = self._insert_charge(budget, run_id, server_round, noise_multiplier, sample_rate, steps, noise_holders,
-                                        what=f"this round ({steps} DP steps at noise {noise_multiplier:.3f}, sample rate {sample_rate:.4f})")
-            self._db.execute("COMMIT")  # committed and fsync'd (synchronous=FULL) before any training starts
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        return after
+        with self._write():  # committed and fsync'd (synchronous=FULL) before any training starts
+            return self._insert_charge(budget, run_id, server_round, noise_multiplier, sample_rate, steps, noise_holders,
+                                       what=f"this round ({steps} DP steps at noise {noise_multiplier:.3f}, sample rate {sample_rate:.4f})")
 
     def release(self, budget: PrivacyBudget, run_id: str, server_round: int, kind: str, data_key: str, noise_multiplier: float,
                 draw: Callable[[], list[float]]) -> list[float]:
@@ -199,23 +196,28 @@ class PrivacyLedger:
         and keeps ``draw()``'s value with the charge in one transaction; every later call returns that same value and charges
         nothing (the same answer again reveals nothing more). Another ``data_key`` (the data changed) is a new release.
         """
+        with self._write():
+            row = self._db.execute("SELECT value FROM releases WHERE kind = ? AND data_key = ?", (kind, data_key)).fetchone()
+            if row is not None:
+                return [float(v) for v in json.loads(row[0])]
+            self._insert_charge(budget, run_id, server_round, noise_multiplier, 1.0, 1, 1,
+                                what=f"releasing its {kind} (one Gaussian release at noise {noise_multiplier:.3f})")
+            value = [float(v) for v in draw()]
+            charge_id = self._db.execute("SELECT last_insert_rowid()").fetchone()[0]
+            self._db.execute("INSERT INTO releases (kind, data_key, value, charge_id) VALUES (?, ?, ?, ?)",
+                             (kind, data_key, json.dumps(value), charge_id))
+            return value
+
+    @contextmanager
+    def _write(self) -> Iterator[None]:
+        """One write transaction (``BEGIN IMMEDIATE``): committed if the block ends normally, rolled back on any exception."""
         self._db.execute("BEGIN IMMEDIATE")
         try:
-            row = self._db.execute("SELECT value FROM releases WHERE kind = ? AND data_key = ?", (kind, data_key)).fetchone()
-            if row is None:
-                self._insert_charge(budget, run_id, server_round, noise_multiplier, 1.0, 1, 1,
-                                    what=f"releasing its {kind} (one Gaussian release at noise {noise_multiplier:.3f})")
-                value = [float(v) for v in draw()]
-                charge_id = self._db.execute("SELECT last_insert_rowid()").fetchone()[0]
-                self._db.execute("INSERT INTO releases (kind, data_key, value, charge_id) VALUES (?, ?, ?, ?)",
-                                 (kind, data_key, json.dumps(value), charge_id))
-            else:
-                value = [float(v) for v in json.loads(row[0])]
-            self._db.execute("COMMIT")
+            yield
         except BaseException:
             self._db.execute("ROLLBACK")
             raise
-        return value
+        self._db.execute("COMMIT")
 
     def _insert_charge(self, budget: PrivacyBudget, run_id: str, server_round: int, noise_multiplier: float, sample_rate: float, steps: int,
                        noise_holders: int, what: str) -> float:

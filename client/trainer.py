@@ -453,10 +453,7 @@ class FactoryTrainer:
         if self.budget is None or self.ledger is None:
             return {}
         spent = self.ledger.spent(self.budget.delta)
-        status = {"epsilon-spent": spent, "epsilon-remaining": max(0.0, self.budget.epsilon_max - spent), "epsilon-max": self.budget.epsilon_max}
-        if self.budget.secure_sum:
-            status["epsilon-alone"] = self.ledger.spent_alone(self.budget.delta)
-        return status
+        return {"epsilon-spent": spent, "epsilon-remaining": max(0.0, self.budget.epsilon_max - spent), "epsilon-max": self.budget.epsilon_max}
 
     def close(self) -> None:
         self._personal_jobs.shutdown(wait=True)  # a personal model being written is finished, not torn
