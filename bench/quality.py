@@ -227,9 +227,10 @@ class Bench:
                 "payload_values": int(sum(v.size for v in weights.values()))}
 
     def personal_of(self, trainer: FactoryTrainer, recipe: Recipe, weights: OrderedDict) -> OrderedDict:
-        """The factory's personal model of the final global model (what its agent keeps after a round with it)."""
+        """The factory's personal model of the final global model (what its agent keeps after a round with it), with the
+        run's proxy set as a deployment with proxy-data sends it."""
         config = self.config(recipe, recipe.rounds)
-        head = trainer.personal_head(trainer.prepare(weights, config), weights, TrainConfig.from_run_config(config, seed=self.seed))
+        head = trainer.personal_head(trainer.prepare(weights, config), weights, TrainConfig.from_run_config(config, seed=self.seed), self.public)
         return weights_of(head)
 
     def pooled_and_local(self, recipe: Recipe) -> dict:

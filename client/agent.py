@@ -293,7 +293,7 @@ class Agent:
         self.trainer.close()
 
 
-def personal_chooser(trainer: FactoryTrainer, lock: threading.Lock) -> Any:
+def personal_chooser(trainer: FactoryTrainer, lock: threading.Lock, proxies: ProxyCache | None = None) -> Any:
     """Serve the factory's personal model *of the approved version* instead of that version, unless the approved
     version validates clearly better on the held-out split (`client.personal.global_clearly_better`).
 
@@ -320,7 +320,9 @@ def personal_chooser(trainer: FactoryTrainer, lock: threading.Lock) -> Any:
                 key = (architecture, request, digest)
                 if key not in made:
                     made.clear()
-                    made[key] = trainer.personal_of(architecture, request, approved, found[1].settings)
+                    sha256 = str(found[1].settings.get("public-proxy-sha256", ""))  # the round's public proxy set, if it had one
+                    public = proxies.get(sha256) if proxies is not None and sha256 else None
+                    made[key] = trainer.personal_of(architecture, request, approved, found[1].settings, public)
                 weights = made[key]
             g_hits = trainer.held_out_hits(architecture, approved, request)
             p_hits = trainer.held_out_hits(architecture, weights, request)
@@ -359,7 +361,7 @@ def serve(cfg: AgentConfig) -> Agent:
         inspection = inspection_server(cfg, InspectionServicer(serving))
         credentials = grpc.ssl_channel_credentials(Path(cfg.registry_ca).read_bytes()) if cfg.registry_ca else None
         client = ModelClient(cfg.registry, load_public(cfg.registry_public_key), Path(cfg.state_dir) / "models", credentials, cfg.registry_token)
-        chooser = personal_chooser(trainer, servicer._lock) if cfg.personalize else None
+        chooser = personal_chooser(trainer, servicer._lock, servicer.proxies) if cfg.personalize else None
         follower = ApprovalFollower(client, serving, load_public(cfg.release_public_key), cfg.architecture, chooser,  # its own architecture's line
                                     state_path=Path(cfg.state_dir) / "releases.json")
         servicer.after_round = follower.reconsider

@@ -114,3 +114,24 @@ def global_clearly_better(global_hits: np.ndarray, personal_hits: np.ndarray, le
         return False
     p_value = sum(math.comb(n, k) for k in range(only_global, n + 1)) / 2**n
     return p_value < level
+
+
+def public_examples(global_logits: np.ndarray, labels: np.ndarray, num_classes: int, confidence: float,
+                    rare: float) -> tuple[np.ndarray, np.ndarray]:
+    """Which of the run's public proxy images the personal fine-tune also learns from, and as which class: those the
+    global model labels, with probability above ``confidence``, as a class that is rare here (fewer than ``rare`` of
+    this factory's training ``labels``). Returns (indices into the proxy set, their labels).
+
+    Why: where a factory tied with, or lost to, training alone, its test errors were images of classes it saw a handful
+    of times; the fine-tune on its own images forgets what the global model knew of them. The public images carry
+    that knowledge back without shifting the factory's prior for its common classes (pseudo-labels of every class
+    helped less). Nothing here leaves the factory, and the proxy set is public: it costs no privacy budget."""
+    if global_logits.ndim != 2 or global_logits.shape[1] != num_classes:
+        raise ValueError(f"the global model's logits on the proxy set must be (N, {num_classes}), got {global_logits.shape}")
+    counts = np.bincount(np.asarray(labels, dtype=np.int64), minlength=num_classes)
+    rare_here = counts < rare * max(1, len(labels))
+    shifted = global_logits - global_logits.max(axis=1, keepdims=True)
+    probs = np.exp(shifted) / np.exp(shifted).sum(axis=1, keepdims=True)
+    predicted = probs.argmax(axis=1)
+    chosen = np.nonzero(rare_here[predicted] & (probs.max(axis=1) > confidence))[0]
+    return chosen, predicted[chosen]

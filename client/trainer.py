@@ -35,7 +35,7 @@ from client.config import AgentConfig
 from client.data import DataRequest, FactoryData, fit_reason, open_source
 from client.dp import DPPlan, check_dp_compatible, noisy_counts, noisy_gradient_step, sample_rate, steps_per_epoch, train_private
 from client.parallel import apply_activation_checkpointing
-from client.personal import PersonalModels, hit_rate, weights_digest
+from client.personal import PersonalModels, hit_rate, public_examples, weights_digest
 from client.privacy import PrivacyLedger, noise_for_budget
 from client.subspace import PublicSubspace, SubspaceError, SubspaceHead, fit_subspace
 from client.workers import Job, WorkerGroup
@@ -43,7 +43,7 @@ from common.data import datasets
 from common.data.datasets import ImageSet
 from common.data.folder import DatasetError
 from common.distill import ProxySet, balanced_predictions, predict_proxy
-from common.features import FeatureCache, array_keys, cache_path, features_of
+from common.features import FeatureCache, FeatureSet, array_keys, cache_path, features_of
 from common.models import build_model, federated_part, is_pretrained, load_weights, weights_of
 from common.tensors import UpdateError, check_like
 from common.training import EvalResult, TrainConfig, TrainResult, evaluate, predict_logits, set_torch_threads, train
@@ -249,7 +249,7 @@ class FactoryTrainer:
             log.info("round %d: the global model scores %.4f on this factory's %d held-out images; after local training %.4f",
                      server_round, received.accuracy, received.examples, trained.accuracy)
             if self.personal is not None and cfg.personal_epochs > 0:
-                self._personal_done = self._personal_jobs.submit(self._personalise, prep, weights, cfg, received, server_round)
+                self._personal_done = self._personal_jobs.submit(self._personalise, prep, weights, cfg, received, server_round, public)
         metrics = {"train-loss": result.loss, "train-accuracy": result.accuracy, "steps": float(result.steps),
                    "train-seconds": train_seconds, "eval-seconds": eval_seconds}
         return LocalRound(new, weight if weight is not None else result.examples, received, trained, metrics, privacy)
@@ -261,7 +261,7 @@ class FactoryTrainer:
             done.exception()
 
     def _personalise(self, prep: Prepared, received_weights: OrderedDict[str, np.ndarray], cfg: TrainConfig, received: EvalResult,
-                     server_round: int) -> None:
+                     server_round: int, public: ProxySet | None = None) -> None:
         """Make and keep the factory's personal model of this round (it never leaves the factory, so it costs no privacy
         budget); inspection serves it unless the global model validates clearly better (`client.personal`).
 
@@ -269,10 +269,11 @@ class FactoryTrainer:
         builds its own model, so the next message need not wait for it. A failure is logged, never raised."""
         assert self.personal is not None
         try:
-            head = self.personal_head(prep, received_weights, cfg)
+            head = self.personal_head(prep, received_weights, cfg, public)
             score = evaluate(head, prep.held_out)
+            settings = cfg.to_run_config() | ({"public-proxy-sha256": public.sha256} if public is not None else {})
             self.personal.offer(prep.architecture, prep.request, weights_of(head), score.accuracy, received.accuracy, server_round,
-                                weights_digest(received_weights), cfg.to_run_config())
+                                weights_digest(received_weights), settings)
         except Exception:
             log.exception("round %d: the personal fine-tune failed; inspection keeps the previous choice", server_round)
             return
@@ -283,7 +284,8 @@ class FactoryTrainer:
                  server_round, cfg.personal_epochs, ", blended with a head trained on them alone" if _blends(prep.architecture, cfg) else "",
                  score.accuracy, received.accuracy)
 
-    def personal_head(self, prep: Prepared, received_weights: OrderedDict[str, np.ndarray], cfg: TrainConfig) -> nn.Module:
+    def personal_head(self, prep: Prepared, received_weights: OrderedDict[str, np.ndarray], cfg: TrainConfig,
+                      public: ProxySet | None = None) -> nn.Module:
         """The factory's personal model (its trainable part): the global model it received, fine-tuned on its own images.
 
         For a linear head (the pretrained family, ``local-only-epochs`` > 0) it is the mean of that fine-tune and a
@@ -292,10 +294,13 @@ class FactoryTrainer:
         personal model (the fine-tune alone, served when it scored higher than the global one) left 14 factories with a
         model worse than their own, by up to 5.3 points; this one, served as `client.personal` says, 5, by one or two
         test images (docs/benchmarks.md). A from-scratch CNN keeps the fine-tune: averaging two independently trained
-        networks' weights does not average their predictions."""
+        networks' weights does not average their predictions.
+
+        Given the run's ``public`` proxy set, the fine-tune also trains on the proxy images the received model labels,
+        confidently, as a class rare at this factory (`client.personal.public_examples`)."""
         model = load_weights(build_model(prep.architecture, len(prep.request.classes), in_channels=prep.request.channels), received_weights)
         head = federated_part(model)
-        train(head, prep.train_set, cfg.personal())
+        train(head, self._with_public_examples(prep, head, cfg, public), cfg.personal())
         if _blends(prep.architecture, cfg):
             alone = self._alone_head(prep, cfg.local_only())
             tuned = weights_of(head)
@@ -303,12 +308,29 @@ class FactoryTrainer:
         return head
 
     def personal_of(self, architecture: str, request: DataRequest, base_weights: OrderedDict[str, np.ndarray],
-                    settings: dict[str, Any]) -> OrderedDict[str, np.ndarray]:
+                    settings: dict[str, Any], public: ProxySet | None = None) -> OrderedDict[str, np.ndarray]:
         """The personal model of ``base_weights`` (the approved version inspection follows), made now with the training
-        ``settings`` of the round's personal model. Inspection serves personal models of the approved version only,
-        never one made from a global model nobody approved."""
+        ``settings`` of the round's personal model (and its ``public`` proxy set, when it had one). Inspection serves
+        personal models of the approved version only, never one made from a global model nobody approved."""
         config = {**settings, "architecture": architecture, **request.to_config()}
-        return weights_of(self.personal_head(self.prepare(base_weights, config), base_weights, train_config_from(config, 0)))
+        return weights_of(self.personal_head(self.prepare(base_weights, config), base_weights, train_config_from(config, 0), public))
+
+    def _with_public_examples(self, prep: Prepared, global_head: nn.Module, cfg: TrainConfig, public: ProxySet | None) -> Any:
+        """The personal fine-tune's training set: this factory's training split, plus the public proxy images the global
+        model (``global_head``, before the fine-tune) labels confidently as a class rare here (`public_examples`)."""
+        if public is None or not is_pretrained(prep.architecture) or cfg.personal_public_confidence == 0:
+            return prep.train_set
+        features = self._proxy_features(prep, public)
+        with torch.no_grad():
+            logits = global_head(torch.from_numpy(features)).numpy()
+        labels = np.asarray(prep.train_set.labels)
+        chosen, assigned = public_examples(logits, labels, len(prep.request.classes), cfg.personal_public_confidence, cfg.personal_public_rare)
+        if len(chosen) == 0:
+            return prep.train_set
+        log.info("personal model: also %d public proxy images the global model labels as classes rare here (%s)", len(chosen),
+                 ", ".join(f"{prep.request.classes[c]} {int((assigned == c).sum())}" for c in np.unique(assigned)))
+        own = prep.train_set.images
+        return FeatureSet(np.concatenate([own, features[chosen].astype(own.dtype)]), np.concatenate([labels, assigned]), prep.train_set.classes)
 
     def _alone_head(self, prep: Prepared, cfg: TrainConfig) -> OrderedDict[str, np.ndarray]:
         """A head trained from scratch on this factory's training split only: once per request and training settings, with

@@ -74,6 +74,14 @@ class TrainConfig:
     local_only_epochs: int = field(default=20, metadata=_key(
         "local-only-epochs", "epochs of the head a factory trains on its own images alone; its personal model is the mean of that head "
                              "and the fine-tuned global one (pretrained family; 0: the fine-tune alone)"))
+    # The personal fine-tune also learns, from the run's public proxy images, the classes this factory rarely sees: those images the
+    # global model labels, at least this sure, as a class under personal-public-rare of the factory's training images (measured on four
+    # data sets: personal models better than local-only at 35 of 42 factories against 31; docs/benchmarks.md)
+    personal_public_confidence: float = field(default=0.8, metadata=_key(
+        "personal-public-confidence", "the personal fine-tune also trains on the run's public proxy images that the global model labels "
+                                      "with at least this probability as a class rare at this factory (0: off)"))
+    personal_public_rare: float = field(default=0.05, metadata=_key(
+        "personal-public-rare", "a class is rare at a factory when it holds fewer than this share of its training images"))
     # DP-SGD on the pretrained family's linear head (client.subspace): its own optimiser settings, because the noise, not the
     # data, sets the step there (measured at epsilon 8, 3 factories: on the whole head SGD lr 0.3 over batches of 256 reached 0.614,
     # AdamW lr 3e-3 over 16 0.559; in the public subspace lr 0.6 under the run's lr-schedule with whitening 0.5; docs/benchmarks.md)
@@ -101,6 +109,9 @@ class TrainConfig:
         if self.personal_epochs < 0 or self.personal_lr <= 0 or self.local_only_epochs < 0:
             raise ValueError(f"personal-epochs and local-only-epochs must be >= 0 and personal-lr > 0 "
                              f"(got {self.personal_epochs}, {self.local_only_epochs}, {self.personal_lr})")
+        if not 0 <= self.personal_public_confidence < 1 or not 0 <= self.personal_public_rare <= 1:
+            raise ValueError(f"personal-public-confidence must be in [0, 1) and personal-public-rare in [0, 1] "
+                             f"(got {self.personal_public_confidence}, {self.personal_public_rare})")
         if self.private_head_optimizer not in ("adamw", "sgd"):
             raise ValueError(f"private-head-optimizer must be 'adamw' or 'sgd', got {self.private_head_optimizer!r}")
         if self.private_head_lr <= 0 or self.private_head_batch_size < 1 or self.public_subspace < 0 or not 0 <= self.public_subspace_whitening <= 1:

@@ -308,23 +308,29 @@ class Federation:
         return [n for n in node_ids if n in self.proxy_ready]
 
     def _share_public(self, nodes: list[int], server_round: int) -> None:
-        """Send the proxy set (public images) to factories that train the pretrained head with DP: each learns from it the subspace
-        it trains in (`client.subspace`). Without it they train the whole head, so a failed delivery is logged, not fatal."""
-        private = [n for n in nodes if n in self.private_nodes and is_pretrained(self.architecture_of_node[n])]
-        if not private or self.cfg.training.public_subspace == 0:
+        """Send the proxy set (public images) to the pretrained factories that learn from it: one that trains the head with DP
+        learns the subspace it trains in (`client.subspace`), and each one's personal model learns from it the classes rare
+        there (`client.personal.public_examples`). Without it they train as before, so a failed delivery is logged, not fatal."""
+        training = self.cfg.training
+        personal = training.personal_epochs > 0 and training.personal_public_confidence > 0
+        takers = [n for n in nodes if is_pretrained(self.architecture_of_node[n])
+                  and (personal or (n in self.private_nodes and training.public_subspace > 0))]
+        if not takers:
             return
         if self.proxy is None:
             if not self.cfg.proxy_data and not all(self.generated_data.values()):
                 if not self.no_public_reason:
                     self.no_public_reason = "no proxy-data folder: factories with their own images need public images of their domain"
-                    log.warning("factories that train with DP train the whole head (%s); set proxy-data to a folder of unlabelled public images "
-                                "of the domain and they train it within those images' principal subspace (docs/security.md)", self.no_public_reason)
+                    log.warning("factories get no public images (%s): those that train with DP train the whole head, and personal models "
+                                "learn rare classes only from their own images; set proxy-data to a folder of unlabelled public images of "
+                                "the domain (docs/security.md)", self.no_public_reason)
                 return
             self.proxy = load_proxy(self.cfg)
         missed: dict[str, str] = {}
-        self._deliver_proxy(private, server_round, missed)
+        self._deliver_proxy(takers, server_round, missed)
         for name, reason in missed.items():
-            log.warning("round %d: factory %s did not take the public proxy set (%s); it trains its whole head under DP", server_round, name, reason)
+            log.warning("round %d: factory %s did not take the public proxy set (%s); it trains without it (under DP: the whole head)",
+                        server_round, name, reason)
         self.public_sha256 = self.proxy.sha256
 
     def _plan(self, server_round: int, nodes: list[int], distilling: bool) -> RoundPlan:
@@ -338,7 +344,7 @@ class Federation:
         if distilling:
             assert self.proxy is not None
             config |= {"proxy-sha256": self.proxy.sha256, "temperature": self.cfg.distill_temperature}
-        if self.public_sha256 and self.cfg.training.public_subspace > 0:
+        if self.public_sha256:  # a factory uses it as its own settings say (DP subspace, personal model's rare classes)
             config["public-proxy-sha256"] = self.public_sha256
         config["send-weights"] = send_weights
         return ConfigRecord(config)

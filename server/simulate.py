@@ -87,7 +87,8 @@ def simulate(factories: int, rounds: int, secure: bool, dropout: float, dropout_
         parse_stages(dropout_stages)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--dropout-stages") from None
-    extra = parse_overrides(overrides)
+    # every virtual factory would compute the proxy set's features for its personal model in this one process: off unless asked
+    extra = {"personal-public-confidence": 0.0, **parse_overrides(overrides)}
     extra.update({k: v for k, v in {"secagg-degree": secagg_degree, "architecture": architecture, "local-epochs": local_epochs}.items() if v is not None})
     root = Path(workdir).resolve()
     root.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ import shutil
 import sqlite3
 import threading
 from collections import OrderedDict
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -69,7 +70,9 @@ def test_features_are_centred_on_a_public_pinned_reference_that_recomputes(monke
     assert np.allclose(recomputed, backbone.centre.numpy(), atol=1e-3)
     with torch.no_grad():  # the reference crops' features are centred at zero; their raw features are not
         crops = torch.from_numpy(reference_crops())
-        assert float(backbone(crops).mean(0).norm()) < 1e-2 * float(backbone.raw_features(crops).mean(0).norm())
+        raw = backbone.raw_features(crops)
+        assert torch.allclose(backbone(crops[:4]), raw[:4] - backbone.centre, atol=1e-5)  # forward centres; one pass over all
+        assert float((raw - backbone.centre).mean(0).norm()) < 1e-2 * float(raw.mean(0).norm())
     b64 = str(entry["float32_b64"])
     tampered = {**feature_reference_data.CENTRES, spec.backbone_key: {**entry, "float32_b64": b64[:40] + ("A" if b64[40] != "A" else "B") + b64[41:]}}
     monkeypatch.setattr(feature_reference_data, "CENTRES", tampered)
@@ -290,6 +293,77 @@ def test_personal_model_of_the_approved_version_is_the_mean_of_a_fine_tune_and_a
     label, served, why = choose("v3", ARCH, DataRequest(), good)
     assert label == "v3" and served is good and "clearly better" in why
     trainer.close()
+
+
+def test_public_examples_are_proxy_images_the_global_model_is_sure_are_of_a_class_rare_here():
+    from client.personal import public_examples
+
+    labels = np.array([0] * 95 + [1] * 4 + [2] * 1)  # class 0 common; 1 and 2 rare (under 5%); 3 never seen
+    sure, unsure = 4.0, 0.5
+    logits = np.array([[sure, 0, 0, 0],  # common here: not taken
+                       [0, sure, 0, 0],  # rare here, sure: taken as 1
+                       [0, 0, unsure, 0],  # rare here, unsure: not taken
+                       [0, 0, 0, sure],  # never seen here, sure: taken as 3
+                       [0, 0, sure, sure]])  # split between two classes: p = 0.49, not taken
+    chosen, assigned = public_examples(logits, labels, 4, confidence=0.8, rare=0.05)
+    assert chosen.tolist() == [1, 3] and assigned.tolist() == [1, 3]
+    chosen, _ = public_examples(logits, labels, 4, confidence=0.8, rare=0.0)  # nothing is rare
+    assert chosen.tolist() == []
+    with pytest.raises(ValueError, match=r"logits on the proxy set must be \(N, 4\)"):
+        public_examples(logits[:, :3], labels, 4, confidence=0.8, rare=0.05)
+
+
+def test_the_personal_fine_tune_also_learns_rare_classes_from_the_runs_public_images(tmp_path):
+    """With the run's proxy set the fine-tune trains on the factory's images plus the proxy images the received model labels
+    confidently as classes rare here; the personal model of an approved version is made with the same set; without the set,
+    or with personal-public-confidence 0, the personal model is what it was before."""
+    import threading
+
+    from client.agent import personal_chooser
+    from client.personal import public_examples
+    from client.trainer import ALONE_SEED, train_config_from
+    from common.distill import ProxyCache, ProxySet
+
+    trainer = FactoryTrainer(AgentConfig(factory_id="p", train_size=60, alpha=0.1, val_fraction=0.5, state_dir=str(tmp_path)))
+    initial = weights_of(build_model(ARCH, 6, seed=0))
+    config = {**CONFIG, "local-epochs": 3, "lr": 0.05, "personal-epochs": 3, "local-only-epochs": 4, "personal-public-confidence": 0.2}
+    global_weights = trainer.train(initial, config, 1, run_id="r").weights  # a global model that knows something
+    public = ProxySet(datasets.proxy_images(datasets.SyntheticSpec(seed=3), 40))
+    prep = trainer.prepare(global_weights, config)
+    cfg = train_config_from(config, 1)
+
+    with torch.no_grad():
+        received = federated_part(load_weights(build_model(ARCH, 6), global_weights))
+        features = trainer._proxy_features(prep, public)
+        chosen, assigned = public_examples(received(torch.from_numpy(features)).numpy(), prep.train_set.labels, 6, 0.2, 0.05)
+    assert 0 < len(chosen) < len(public) and np.bincount(prep.train_set.labels, minlength=6)[assigned].max() < 0.05 * len(prep.train_set)
+    own = prep.train_set
+    augmented = FeatureSet(np.concatenate([own.images, features[chosen].astype(own.images.dtype)]), np.concatenate([own.labels, assigned]),
+                           own.classes)
+    tuned = federated_part(load_weights(build_model(ARCH, 6), global_weights))
+    train(tuned, augmented, cfg.personal())
+    alone = federated_part(build_model(ARCH, 6, seed=ALONE_SEED))
+    train(alone, own, replace(cfg.local_only(), seed=ALONE_SEED))  # the head trained alone learns from the factory's images only
+    expected = (tuned.weight.detach().numpy() + alone.weight.detach().numpy()) / 2
+    with_public = trainer.personal_head(prep, global_weights, cfg, public)
+    np.testing.assert_allclose(with_public.weight.detach().numpy(), expected, atol=1e-5)
+
+    without = trainer.personal_head(prep, global_weights, cfg).weight.detach().numpy()
+    assert not np.allclose(without, expected, atol=1e-3)
+    switched_off = trainer.personal_head(prep, global_weights, replace(cfg, personal_public_confidence=0.0), public)
+    np.testing.assert_allclose(switched_off.weight.detach().numpy(), without, atol=1e-6)
+
+    # inspection's personal model of an approved version learns from the set the round's personal model named
+    trainer.personal.offer(ARCH, DataRequest(), weights_of(with_public), 1.0, 0.0, 1, "", cfg.to_run_config() | {"public-proxy-sha256": public.sha256})
+    proxies = ProxyCache(tmp_path / "proxy")
+    proxies.put(public.sha256, public.images)
+    made_with: list[ProxySet | None] = []
+    make = trainer.personal_of
+    trainer.personal_of = lambda *args: made_with.append(args[-1]) or make(*args)  # type: ignore[method-assign]
+    personal_chooser(trainer, threading.Lock(), proxies)("v1", ARCH, DataRequest(), load_weights(build_model(ARCH, 6), global_weights))
+    assert [p.sha256 for p in made_with] == [public.sha256]
+    settings = cfg.to_run_config()
+    assert not np.allclose(make(ARCH, DataRequest(), global_weights, settings, public)["weight"], make(ARCH, DataRequest(), global_weights, settings)["weight"])
 
 
 def test_the_global_model_is_clearly_better_only_beyond_chance_on_the_images_one_model_gets_right():

@@ -201,7 +201,7 @@ def test_secure_rounds_key_the_next_round_in_flight_and_survive_a_dropout_betwee
     assert [r.status for r in rounds] == ["completed"] * 3, [r.metrics for r in rounds]
     kinds = {r: sorted({k for rr, k, _, _ in recorded["messages"] if rr == r}) for r in (1, 2, 3)}
     keyed = ["query.secagg_advertise", "query.secagg_share", "query.secagg_unmask", "train"]
-    assert kinds[1] == ["query.describe", *keyed]
+    assert kinds[1] == ["query.describe", "query.proxy", *keyed]  # the public proxy set, once (personal models learn from it)
     assert kinds[2] == ["query.secagg_unmask", "train"]
     assert kinds[3] == keyed
     assert [r.metrics["secagg-phases"] for r in rounds] == [4, 2, 4]
@@ -218,9 +218,11 @@ def test_secure_rounds_key_the_next_round_in_flight_and_survive_a_dropout_betwee
     assert {name for name, _ in recorded["server-saw"]} == {"masked"} and all(a.dtype == np.uint64 for _, a in recorded["server-saw"])
 
 
-def test_factories_training_with_dp_get_the_public_proxy_set_once_and_train_their_head_within_its_subspace(tmp_path):
+@pytest.mark.parametrize("personal_public", [True, False], ids=["personal-public", "dp-only"])
+def test_factories_training_with_dp_get_the_public_proxy_set_once_and_train_their_head_within_its_subspace(tmp_path, personal_public):
     """Factories that declare DP in describe receive the run's proxy set (public images) once; every train message names it;
-    the DP factories report the subspace they trained in with their privacy spend, the plain factory gets no proxy set."""
+    the DP factories report the subspace they trained in with their privacy spend. The plain factory gets it too only for
+    its personal model (personal-public-confidence > 0), whose record names the set it learnt from."""
     dp = {"factory-0": True, "factory-1": True, "factory-2": False}
     agents = [serve(AgentConfig(factory_id=name, listen=f"127.0.0.1:{free_port()}", factory_index=i, num_factories=3, train_size=48,
                                 dp=private, dp_epsilon=8.0, dp_planned_rounds=2, state_dir=str(tmp_path / "factories" / name)))
@@ -240,10 +242,14 @@ def test_factories_training_with_dp_get_the_public_proxy_set_once_and_train_thei
 
     grid = ScriptedGrid({i + 1: watching(agent) for i, agent in enumerate(agents)})
     cfg = _config(tmp_path, num_server_rounds=2, secure_aggregation=True, secagg_threshold=2, round_timeout=60, secagg_timeout=60,
-                  federated_evaluation=False, proxy_size=40)
+                  federated_evaluation=False, proxy_size=40, training=TrainConfig(personal_public_confidence=0.8 if personal_public else 0.0))
     try:
         fed = Federation(grid, cfg, flwr_run_id="41")
         fed.run()
+        for agent in agents:
+            agent.trainer.wait_personal()
+        personal_sets = {agent.trainer.cfg.factory_id: agent.trainer.personal.get(cfg.architecture)[1]
+                         .settings.get("public-proxy-sha256") for agent in agents}
     finally:
         for agent in agents:
             agent.stop(0)
@@ -251,9 +257,11 @@ def test_factories_training_with_dp_get_the_public_proxy_set_once_and_train_thei
     registry = Registry.at(tmp_path)
     assert [r.status for r in registry.rounds("run-41")] == ["completed"] * 2
     proxy_messages = [(r, name, m["images"]) for r, kind, name, m in seen if kind == "query.proxy"]
-    assert {name for _, name, _ in proxy_messages} == {"factory-0", "factory-1"}  # never to the plain factory
-    assert sorted((name, r) for r, name, images in proxy_messages if images) == [("factory-0", 1), ("factory-1", 1)]  # the images once
+    takers = ["factory-0", "factory-1", "factory-2"] if personal_public else ["factory-0", "factory-1"]
+    assert {name for _, name, _ in proxy_messages} == set(takers)  # to the plain factory only for its personal model
+    assert sorted((name, r) for r, name, images in proxy_messages if images) == [(name, 1) for name in takers]  # the images once
     sha = fed.proxy.sha256
+    assert personal_sets == {name: sha if name in takers else None for name in dp}
     assert all(m["config"]["public-proxy-sha256"] == sha for _, kind, _, m in seen if kind == "train")
     privacy = registry.versions("run-41")[-1].privacy
     assert set(privacy) == {"factory-0", "factory-1"}
