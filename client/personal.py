@@ -1,7 +1,8 @@
 """A factory's personal model of a global model: that model fine-tuned on this factory's own images.
 
 Every round a factory makes the personal model of the global model it received (for the pretrained
-family, blended with a head trained on its images alone: `client.trainer.FactoryTrainer.personal_head`);
+family, blended with a head trained on its images alone, and with the run's public proxy images the global
+model labels as classes rare here in the fine-tune: `client.trainer.FactoryTrainer.personal_head`, `public_examples`);
 it is kept on disk per architecture with the sha256 of the weights it was made from, its training
 settings, its accuracy on the factory's held-out split and that of the global model. Inspection serves
 the personal model *of the approved version* (`client.agent.personal_chooser` makes it when the round's

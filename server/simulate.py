@@ -47,8 +47,11 @@ def require_backend(backend: str) -> None:
 
 def simulation_run_config(factories: int, rounds: int, secure: bool, dropout: float, dropout_stages: str, train_size: int, alpha: float,
                           seed: int, workdir: Path, min_factories: int | None, overrides: dict[str, Any]) -> dict[str, Any]:
-    """The run config a simulation submits: the production keys, plus the virtual factories' ``simulation-*`` settings."""
+    """The run config a simulation submits: the production keys, plus the virtual factories' ``simulation-*`` settings.
+    Personal models learn from the factories' own images only unless ``overrides`` say otherwise: every virtual factory
+    would compute the public proxy set's features in the one simulation worker."""
     return {
+        "personal-public-confidence": 0.0,
         "num-server-rounds": rounds, "secure-aggregation": secure, "num-factories": factories, "expected-factories": factories,
         "min-factories": min_factories or max(1, math.ceil(factories / 2)), "alpha": alpha, "data-seed": seed, "seed": seed,
         "registry-dir": str(workdir / "registry"), "simulation-dir": str(workdir), "simulation-train-size": train_size,
@@ -87,8 +90,7 @@ def simulate(factories: int, rounds: int, secure: bool, dropout: float, dropout_
         parse_stages(dropout_stages)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--dropout-stages") from None
-    # every virtual factory would compute the proxy set's features for its personal model in this one process: off unless asked
-    extra = {"personal-public-confidence": 0.0, **parse_overrides(overrides)}
+    extra = parse_overrides(overrides)
     extra.update({k: v for k, v in {"secagg-degree": secagg_degree, "architecture": architecture, "local-epochs": local_epochs}.items() if v is not None})
     root = Path(workdir).resolve()
     root.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,17 @@ def test_virtual_factories_get_their_partition_and_their_own_state(tmp_path):
     assert cfg.state_dir == str(tmp_path / "factories" / "factory-4") and cfg.require_secure_aggregation
 
 
+def test_virtual_factories_make_personal_models_from_their_own_images_unless_told(tmp_path):
+    from common.training import TrainConfig
+    from server.simulate import simulation_run_config
+
+    def run_config(overrides: dict) -> dict:
+        return simulation_run_config(10, 3, True, 0.0, "unmask", 120, 1.0, 0, tmp_path, None, overrides)
+
+    assert TrainConfig.from_run_config(run_config({})).personal_public_confidence == 0.0  # no proxy features per virtual factory
+    assert TrainConfig.from_run_config(run_config({"personal-public-confidence": 0.8})).personal_public_confidence == 0.8
+
+
 def test_simulate_without_ray_says_how_to_install_it(monkeypatch):
     import click
 
