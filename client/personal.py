@@ -131,8 +131,8 @@ def public_examples(global_logits: np.ndarray, labels: np.ndarray, num_classes: 
         raise ValueError(f"the global model's logits on the proxy set must be (N, {num_classes}), got {global_logits.shape}")
     counts = np.bincount(np.asarray(labels, dtype=np.int64), minlength=num_classes)
     rare_here = counts < rare * max(1, len(labels))
-    shifted = global_logits - global_logits.max(axis=1, keepdims=True)
-    probs = np.exp(shifted) / np.exp(shifted).sum(axis=1, keepdims=True)
+    unnormalised = np.exp(global_logits - global_logits.max(axis=1, keepdims=True))
+    probs = unnormalised / unnormalised.sum(axis=1, keepdims=True)
     predicted = probs.argmax(axis=1)
     chosen = np.nonzero(rare_here[predicted] & (probs.max(axis=1) > confidence))[0]
     return chosen, predicted[chosen]
