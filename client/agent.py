@@ -218,7 +218,7 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
                 threading.Thread(target=self._prefetch, args=(config,), daemon=True, name="fedforge-prefetch").start()
             return edge_pb2.DescribeReply(factory_id=self.trainer.cfg.factory_id, architecture=self.trainer.cfg.architecture, fits=info["fits"],
                                           reason=info["reason"], data_source=info["data-source"], class_counts=info.get("class-counts", []),
-                                          dp=bool(info.get("dp", False)))
+                                          dp=bool(info.get("dp", False)), personalizes=bool(info.get("personalizes", True)))
 
     def _prefetch(self, config: dict[str, Any]) -> None:
         with self._lock:  # a train request waits for it rather than doing the same work twice

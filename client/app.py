@@ -164,7 +164,8 @@ def describe(msg: Message, context: Context) -> Message:
     config.update(dict(msg.content["config"]) if "config" in msg.content else {})
     reply = _call(context, "Describe", edge_pb2.DescribeRequest(config=config))
     info = ConfigRecord({"factory-id": reply.factory_id, "architecture": reply.architecture, "fits": bool(reply.fits), "reason": reply.reason,
-                         "data-source": reply.data_source, "dp": bool(reply.dp), **({"class-counts": list(reply.class_counts)} if reply.class_counts else {})})
+                         "data-source": reply.data_source, "dp": bool(reply.dp), **({"class-counts": list(reply.class_counts)} if reply.class_counts else {}),
+                         **({"personalizes": bool(reply.personalizes)} if reply.HasField("personalizes") else {})})
     return Message(content=RecordDict({"info": info}), reply_to=msg)
 
 

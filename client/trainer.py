@@ -134,8 +134,10 @@ class FactoryTrainer:
         request = data_request_from(config)
         reason = fit_reason(self.data.source, request.classes)
         # "dp": whether this factory trains with DP-SGD (its replies carry its privacy spend anyway); the server then sends it the
-        # run's public proxy set, in which it trains the head (client.subspace)
-        out: dict[str, Any] = {"fits": not reason, "reason": reason, "data-source": self.data.source.kind, "dp": self.budget is not None}
+        # run's public proxy set, in which it trains the head (client.subspace). "personalizes": whether it keeps a personal
+        # model, the other use of that set (client.personal.public_examples): a factory with neither is not sent the images
+        out: dict[str, Any] = {"fits": not reason, "reason": reason, "data-source": self.data.source.kind, "dp": self.budget is not None,
+                               "personalizes": self.personal is not None}
         if self.cfg.share_metrics:
             counts = self.data.counts()
             out["class-counts"] = [int(counts.get(c, 0)) for c in request.classes]

@@ -95,6 +95,7 @@ class Federation:
         self.validation: Any = None
         self.proxy_ready: set[int] = set()  # nodes holding this run's proxy set (it travels once per run)
         self.private_nodes: set[int] = set()  # nodes that declared they train with DP-SGD
+        self.unpersonalized_nodes: set[int] = set()  # nodes that declared they keep no personal model (--no-personalize)
         self.public_sha256 = ""  # the proxy set DP factories train their head's subspace from, once sent
         self.no_public_reason = ""  # why DP factories get no public proxy set (said once)
 
@@ -279,6 +280,8 @@ class Federation:
                     self.architecture_of_node[node] = arch
                     if bool(info.get("dp", False)):
                         self.private_nodes.add(node)
+                    if not bool(info.get("personalizes", True)):  # a factory that does not say keeps one, as before it could say
+                        self.unpersonalized_nodes.add(node)
                     self.generated_data[node] = str(info.get("data-source", "")) == "synthetic"
                     log.info("factory %s trains %s on %s data", self.messenger.name(node), arch, info.get("data-source", "its own"))
                     continue
@@ -314,7 +317,7 @@ class Federation:
         training = self.cfg.training
         personal = training.personal_epochs > 0 and training.personal_public_confidence > 0
         takers = [n for n in nodes if is_pretrained(self.architecture_of_node[n])
-                  and (personal or (n in self.private_nodes and training.public_subspace > 0))]
+                  and ((personal and n not in self.unpersonalized_nodes) or (n in self.private_nodes and training.public_subspace > 0))]
         if not takers:
             return
         if self.proxy is None:

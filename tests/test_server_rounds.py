@@ -218,14 +218,18 @@ def test_secure_rounds_key_the_next_round_in_flight_and_survive_a_dropout_betwee
     assert {name for name, _ in recorded["server-saw"]} == {"masked"} and all(a.dtype == np.uint64 for _, a in recorded["server-saw"])
 
 
-@pytest.mark.parametrize("personal_public", [True, False], ids=["personal-public", "dp-only"])
-def test_factories_training_with_dp_get_the_public_proxy_set_once_and_train_their_head_within_its_subspace(tmp_path, personal_public):
+@pytest.mark.parametrize("personal_public,plain_personalizes", [(True, True), (False, True), (True, False)],
+                         ids=["personal-public", "dp-only", "plain-factory-without-personal-model"])
+def test_factories_training_with_dp_get_the_public_proxy_set_once_and_train_their_head_within_its_subspace(tmp_path, personal_public,
+                                                                                                           plain_personalizes):
     """Factories that declare DP in describe receive the run's proxy set (public images) once; every train message names it;
     the DP factories report the subspace they trained in with their privacy spend. The plain factory gets it too only for
-    its personal model (personal-public-confidence > 0), whose record names the set it learnt from."""
+    its personal model (personal-public-confidence > 0), whose record names the set it learnt from; started with
+    --no-personalize, it says so in describe and is not sent the images it would not use."""
     dp = {"factory-0": True, "factory-1": True, "factory-2": False}
     agents = [serve(AgentConfig(factory_id=name, listen=f"127.0.0.1:{free_port()}", factory_index=i, num_factories=3, train_size=48,
-                                dp=private, dp_epsilon=8.0, dp_planned_rounds=2, state_dir=str(tmp_path / "factories" / name)))
+                                dp=private, dp_epsilon=8.0, dp_planned_rounds=2, state_dir=str(tmp_path / "factories" / name),
+                                personalize=private or plain_personalizes))
               for i, (name, private) in enumerate(dp.items())]
     recorded: dict[str, list] = {}
     seen: list[tuple[int, str, str, dict]] = []
@@ -249,7 +253,7 @@ def test_factories_training_with_dp_get_the_public_proxy_set_once_and_train_thei
         for agent in agents:
             agent.trainer.wait_personal()
         personal_sets = {agent.trainer.cfg.factory_id: agent.trainer.personal.get(cfg.architecture)[1]
-                         .settings.get("public-proxy-sha256") for agent in agents}
+                         .settings.get("public-proxy-sha256") if agent.trainer.personal else None for agent in agents}
     finally:
         for agent in agents:
             agent.stop(0)
@@ -257,7 +261,7 @@ def test_factories_training_with_dp_get_the_public_proxy_set_once_and_train_thei
     registry = Registry.at(tmp_path)
     assert [r.status for r in registry.rounds("run-41")] == ["completed"] * 2
     proxy_messages = [(r, name, m["images"]) for r, kind, name, m in seen if kind == "query.proxy"]
-    takers = ["factory-0", "factory-1", "factory-2"] if personal_public else ["factory-0", "factory-1"]
+    takers = ["factory-0", "factory-1", "factory-2"] if personal_public and plain_personalizes else ["factory-0", "factory-1"]
     assert {name for _, name, _ in proxy_messages} == set(takers)  # to the plain factory only for its personal model
     assert sorted((name, r) for r, name, images in proxy_messages if images) == [(name, 1) for name in takers]  # the images once
     sha = fed.proxy.sha256

@@ -200,7 +200,7 @@ class DescribeRequest(_message.Message):
     def __init__(self, config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class DescribeReply(_message.Message):
-    __slots__ = ("factory_id", "architecture", "fits", "reason", "data_source", "class_counts", "dp")
+    __slots__ = ("factory_id", "architecture", "fits", "reason", "data_source", "class_counts", "dp", "personalizes")
     FACTORY_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     FITS_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +208,7 @@ class DescribeReply(_message.Message):
     DATA_SOURCE_FIELD_NUMBER: _ClassVar[int]
     CLASS_COUNTS_FIELD_NUMBER: _ClassVar[int]
     DP_FIELD_NUMBER: _ClassVar[int]
+    PERSONALIZES_FIELD_NUMBER: _ClassVar[int]
     factory_id: str
     architecture: str
     fits: bool
@@ -215,7 +216,8 @@ class DescribeReply(_message.Message):
     data_source: str
     class_counts: _containers.RepeatedScalarFieldContainer[int]
     dp: bool
-    def __init__(self, factory_id: _Optional[str] = ..., architecture: _Optional[str] = ..., fits: _Optional[bool] = ..., reason: _Optional[str] = ..., data_source: _Optional[str] = ..., class_counts: _Optional[_Iterable[int]] = ..., dp: _Optional[bool] = ...) -> None: ...
+    personalizes: bool
+    def __init__(self, factory_id: _Optional[str] = ..., architecture: _Optional[str] = ..., fits: _Optional[bool] = ..., reason: _Optional[str] = ..., data_source: _Optional[str] = ..., class_counts: _Optional[_Iterable[int]] = ..., dp: _Optional[bool] = ..., personalizes: _Optional[bool] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
