@@ -247,7 +247,7 @@ class Bench:
             model = self.model(recipe.architecture, self.seed)
             train(federated_part(model), self.inputs(model, recipe.architecture, split), replace(cfg, seed=self.seed * 10 + i))
             local.append(evaluate(federated_part(model), self.inputs(model, recipe.architecture, self.factory_tests[i])).accuracy)
-        return {"pooled": pooled, "local": local}
+        return {"pooled": pooled, "local": local, "factory_test_images": [len(t) for t in self.factory_tests]}
 
 
 def served_vs_local(pairs: list[tuple[float, float]]) -> str:
@@ -318,6 +318,19 @@ def main() -> None:
                 dp_columns = f"{statistics.mean(r['dp_accuracy'] for r in rs):.3f} | {statistics.mean(cost):+.3f}, {min(cost):+.3f} |"
             print(f"| {setting} | {RECIPES[key].name} | {g:.3f} | {pooled:.3f} | {g / pooled:.2f} | {better}/{len(rs)} seeds | {counts} | {margin:+.3f} | "
                   + dp_columns)
+    print()
+    print("Served - local-only, in test images of each factory's own test set (factories in order; * : local-only already 1.000):")
+    print()
+    print("| setting | recipe | seed | served - local per factory |")
+    print("| --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['setting']} | {r['recipe']} | {r['seed']} | {images_gained(r['served'], r['local'], r['factory_test_images'])} |")
+
+
+def images_gained(served: list[float], local: list[float], images: list[int]) -> str:
+    """Per factory, how many more of its test images the served model classifies right than its local-only model."""
+    gained = [round((s - loc) * n) for s, loc, n in zip(served, local, images)]
+    return " ".join((f"{g:+d}" if g else "0") + ("*" if loc == 1.0 else "") for g, loc in zip(gained, local))
 
 
 if __name__ == "__main__":

@@ -157,6 +157,9 @@ def test_the_quality_bench_compares_on_your_own_folders(tmp_path):
     assert better + tied + worse == 2 and "(" in cells[6], row
     dp_mean, dp_worst = (float(v) for v in cells[9].split(","))  # DP served - served: mean, worst factory
     assert 0.0 <= float(cells[8]) <= 1.0 and -1.0 <= dp_worst <= dp_mean <= 1.0, row
+    gained = next(line for line in run.stdout.splitlines() if line.startswith("| folders |") and line.count("|") == 5)
+    per_factory = [int(v.rstrip("*")) for v in gained.strip("|").split("|")[3].split()]  # served - local in test images, per factory
+    assert len(per_factory) == 2 and sum(v > 0 for v in per_factory) == better and sum(v < 0 for v in per_factory) == worse, gained
 
     # factories that share the secure sum's noise, as a secure round of 2 would let them: the default threshold 2, no colluder
     run = subprocess.run([sys.executable, str(bench), "--folders", str(tmp_path / "root"), "--recipes", "default", "--seeds", "0",
