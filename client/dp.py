@@ -50,22 +50,48 @@ def check_dp_compatible(model: nn.Module, fix: bool = False) -> nn.Module:
 
 @dataclass(frozen=True)
 class DPPlan:
-    """What the factory's budget allows this round: the noise, the clipping bound, the sampling rate."""
+    """What the factory's budget allows this round: the noise, the clipping bound, the sampling rate.
+
+    ``examples``: the image count the schedule was planned from and the summed gradients are averaged by: the total of
+    the factory's *released* (noisy) class counts, never its exact count (0: the data set's own size, for callers that
+    plan without a release)."""
 
     noise_multiplier: float
     max_grad_norm: float
     sample_rate: float
     grad_sample_mode: str = "hooks"
+    examples: float = 0.0
 
 
 def steps_per_epoch(num_examples: int, batch_size: int) -> int:
-    """The batches of Opacus' Poisson loader per epoch: len(DataLoader) = ceil(n / B)."""
+    """Poisson batches per epoch for an expected batch of ``batch_size``: ceil(n / B), as Opacus' loader would have."""
     return max(1, math.ceil(max(1, num_examples) / batch_size))
 
 
 def sample_rate(num_examples: int, batch_size: int) -> float:
-    """Opacus' Poisson sampling rate for that loader: q = 1 / len(DataLoader) (what the ledger must charge)."""
+    """The Poisson sampling rate of that schedule: q = 1 / ceil(n / B) (what the ledger charges).
+
+    A DP factory passes the total of its released class counts as n: the rate, the step count and the noise multiplier
+    then depend on that release only, so they tell nothing more about its images (with the exact n, adding one image can
+    add a step, which DP's accounting does not cover)."""
     return 1.0 / steps_per_epoch(num_examples, batch_size)
+
+
+def poisson_loader(dataset: Dataset, rate: float, **kwargs: Any) -> DataLoader:
+    """Opacus' Poisson loader at ``rate`` (q = 1 / steps for a whole number of steps), with exactly round(1 / q) batches per
+    epoch: the schedule the ledger charged, whatever the data set's size (int(1 / q) could round one step away)."""
+    from opacus.data_loader import DPDataLoader
+
+    loader = DPDataLoader(dataset, sample_rate=rate, generator=_urandom_generator(), **kwargs)
+    loader.batch_sampler.steps = max(1, round(1.0 / rate))  # type: ignore[union-attr]
+    return loader
+
+
+def average_by_plan(private_opt: Any, plan: DPPlan, world_size: int = 1) -> None:
+    """Average each step's noisy sum over the plan's expected batch (released count x q), not Opacus' len(data) x q: the
+    update's scale, too, then depends on the release only."""
+    if plan.examples > 0:
+        private_opt.expected_batch_size = max(1e-6, plan.examples * plan.sample_rate / world_size)
 
 
 class ImageSetDataset(Dataset):
@@ -126,11 +152,13 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Dat
 
 
 def train_private(model: nn.Module, data: ImageSet, cfg: TrainConfig, plan: DPPlan) -> TrainResult:
-    """Train ``model`` (a plain module; its weights change in place) with DP-SGD for ``cfg.epochs``."""
-    loader = DataLoader(ImageSetDataset(data), batch_size=cfg.batch_size, generator=_urandom_generator())
+    """Train ``model`` (a plain module; its weights change in place) with DP-SGD for ``cfg.epochs``: Poisson batches at the
+    plan's rate, for the plan's steps (`poisson_loader`), averaged by the plan's count (`average_by_plan`)."""
+    loader = poisson_loader(ImageSetDataset(data), plan.sample_rate)
     private_model, private_opt, criterion, private_loader = make_private(
-        model, make_optimizer(model, cfg), loader, plan.noise_multiplier, plan.max_grad_norm, plan.grad_sample_mode, poisson_sampling=True
+        model, make_optimizer(model, cfg), loader, plan.noise_multiplier, plan.max_grad_norm, plan.grad_sample_mode, poisson_sampling=False
     )
+    average_by_plan(private_opt, plan)
     return run_dp_epochs(private_model, private_opt, criterion, private_loader, cfg, examples=len(data), step_on_empty=False)
 
 

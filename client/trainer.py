@@ -218,7 +218,8 @@ class FactoryTrainer:
         received = evaluate(prep.trainable, prep.held_out) if len(prep.held_out) else None
         eval_seconds = time.perf_counter() - t0
         trainable, private_cfg, subspace = self._trainable(prep, cfg, public)
-        privacy, dp_plan = (self._charge_privacy(len(prep.train_set), private_cfg, config, server_round, run_id, noise_holders)
+        # a DP factory plans its schedule from its released count (weight), never from its exact image count
+        privacy, dp_plan = (self._charge_privacy(weight or 1, private_cfg, config, server_round, run_id, noise_holders)
                             if self.budget else ({}, None))
         if self.budget is not None and is_pretrained(prep.architecture):  # 0: the whole head trained (no public subspace)
             privacy["dp-subspace-dims"] = float(subspace.dims if subspace is not None else 0)
@@ -396,8 +397,10 @@ class FactoryTrainer:
                         noise_holders: int = 1) -> tuple[dict[str, float], DPPlan]:
         """Charge the ledger for this round (or refuse it with `BudgetExhausted`) before any training.
 
-        Local DP-SGD: the sample rate and step count are exactly those of the Poisson loader Opacus builds
-        (q = 1 / ceil(n / B), ceil(n / B) steps per epoch), so the ledger never under-counts.
+        ``n``: the total of the factory's released class counts (`class_counts`), not its exact image count, so that the
+        schedule, the noise multiplier and the spend it reports depend on that release only.
+        Local DP-SGD: the sample rate and step count are exactly those of the Poisson loader it trains with
+        (q = 1 / ceil(n / B), ceil(n / B) steps per epoch: `client.dp.poisson_loader`), so the ledger never under-counts.
         Sharing the secure sum's noise (--dp-secure-sum): one Gaussian mechanism per round (q = 1, one step) whose noise
         multiplier is the sum's; this factory adds that noise divided by sqrt(noise_holders), and the ledger also keeps
         what its own noise alone guarantees (``epsilon-alone``).
@@ -413,7 +416,8 @@ class FactoryTrainer:
         noise = noise_for_budget(self.budget.epsilon_max, self.budget.delta, rate, self.budget.planned_rounds * steps, self.budget.reserved)
         epsilon = self.ledger.charge(self.budget, run_id, server_round, noise, rate, steps, noise_holders=holders)
         mode = "ghost_fsdp" if self.cfg.parallelism == "fsdp" else self.budget.grad_sample_mode
-        plan = DPPlan(noise_multiplier=noise / math.sqrt(holders), max_grad_norm=self.budget.max_grad_norm, sample_rate=rate, grad_sample_mode=mode)
+        plan = DPPlan(noise_multiplier=noise / math.sqrt(holders), max_grad_norm=self.budget.max_grad_norm, sample_rate=rate, grad_sample_mode=mode,
+                      examples=float(n))
         privacy = {
             "epsilon-spent": epsilon, "epsilon-remaining": max(0.0, self.budget.epsilon_max - epsilon), "epsilon-max": self.budget.epsilon_max,
             "delta": self.budget.delta, "noise-multiplier": noise, "dp-steps": float(steps),

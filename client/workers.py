@@ -199,7 +199,7 @@ def train_private_distributed(model: Any, data: Any, cfg: Any, dp: DPPlan, rank:
     from torch.utils.data import DataLoader
     from torch.utils.data._utils.collate import default_collate
 
-    from client.dp import ImageSetDataset, _urandom_generator, make_private, run_dp_epochs
+    from client.dp import ImageSetDataset, _urandom_generator, average_by_plan, make_private, run_dp_epochs
     from common.training import make_optimizer
 
     class AlwaysYieldSampler(DistributedUniformWithReplacementSampler):
@@ -213,7 +213,8 @@ def train_private_distributed(model: Any, data: Any, cfg: Any, dp: DPPlan, rank:
                 yield indices[mask.nonzero(as_tuple=False).reshape(-1)].tolist()
 
     dataset = ImageSetDataset(data)
-    sampler = AlwaysYieldSampler(total_size=len(dataset), sample_rate=dp.sample_rate, generator=_urandom_generator())
+    sampler = AlwaysYieldSampler(total_size=len(dataset), sample_rate=dp.sample_rate, generator=_urandom_generator(),
+                                 steps=max(1, round(1.0 / dp.sample_rate)))  # the schedule the ledger charged (client.dp.poisson_loader)
     collate = wrap_collate_with_empty(collate_fn=default_collate, sample_empty_shapes=[(0, *data.image_shape), (0,)],
                                       dtypes=[torch.float32, torch.int64])
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
@@ -221,5 +222,6 @@ def train_private_distributed(model: Any, data: Any, cfg: Any, dp: DPPlan, rank:
         model, make_optimizer(model, cfg), loader, dp.noise_multiplier, dp.max_grad_norm, dp.grad_sample_mode,
         poisson_sampling=False,  # our loader already samples (Poisson, never skipping a batch)
     )
+    average_by_plan(private_opt, dp, world_size)
     return run_dp_epochs(private_model, private_opt, criterion, private_loader, cfg, examples=len(data), step_on_empty=True,
                          on_epoch=sampler.set_epoch)

@@ -22,7 +22,7 @@ from opacus.accountants import RDPAccountant
 from torch import nn
 
 from client.config import AgentConfig
-from client.dp import DPConfigError, DPPlan, check_dp_compatible, noisy_gradient_step, sample_rate, train_private
+from client.dp import DPConfigError, DPPlan, check_dp_compatible, noisy_gradient_step, sample_rate, steps_per_epoch, train_private
 from client.privacy import BudgetExhausted, PrivacyBudget, PrivacyLedger, epsilon_of, noise_for_budget
 from client.trainer import FactoryTrainer
 from common.data import datasets
@@ -92,7 +92,11 @@ def test_round_over_budget_is_refused_and_not_charged(tmp_path):
         trainer.train(_global(), {**CONFIG, "local-epochs": 5}, 3, run_id="r")
 
 
-def test_server_cannot_raise_the_budget_or_lower_the_noise(tmp_path, caplog):
+def test_server_cannot_raise_the_budget_or_lower_the_noise(tmp_path, caplog, monkeypatch):
+    import client.trainer
+
+    # the same release at both factories: the schedule, and with it the noise, is planned from it
+    monkeypatch.setattr(client.trainer, "noisy_counts", lambda counts, noise: np.asarray(counts, dtype=np.float64))
     honest = FactoryTrainer(_cfg(tmp_path / "a"))
     m_honest = honest.train(_global(), CONFIG, 1, run_id="r").privacy
     greedy = FactoryTrainer(_cfg(tmp_path / "b"))
@@ -179,21 +183,45 @@ def test_ledger_survives_kill_9_mid_round(tmp_path, no_leftover_processes):
 
 
 @pytest.mark.parametrize("n_images, batch", [(53, 16), (90, 7), (41, 41)])
-def test_the_ledger_charges_exactly_what_opacus_samples(tmp_path, n_images, batch):
-    """Batch sizes that do not divide n: the ledger's (q, steps) are those of the Poisson loader Opacus builds."""
-    from opacus.data_loader import DPDataLoader
-    from torch.utils.data import DataLoader
+def test_the_ledger_charges_exactly_the_schedule_the_factory_trains_with(tmp_path, monkeypatch, n_images, batch):
+    """Batch sizes that do not divide n: the ledger's (q, steps) are those of the Poisson loader the factory trains with,
+    planned from the total of its released class counts (the update's weight), not from its exact image count."""
+    from client import dp
 
-    from client.data import DataRequest
-    from client.dp import ImageSetDataset
+    made = []
 
+    def recording(dataset, rate, **kwargs):
+        made.append(real(dataset, rate, **kwargs))
+        return made[-1]
+
+    real = dp.poisson_loader
+    monkeypatch.setattr(dp, "poisson_loader", recording)
     trainer = FactoryTrainer(_cfg(tmp_path, train_size=n_images, dp_epsilon=50.0))
-    train_set = trainer.data.split(DataRequest()).train
-    trainer.train(_global(), {**CONFIG, "batch-size": batch, "local-epochs": 2}, 1, run_id="r")
+    local = trainer.train(_global(), {**CONFIG, "batch-size": batch, "local-epochs": 2}, 1, run_id="r")
     (release, charge) = trainer.ledger.charges()  # the class counts' one release, then the round
     assert (release.sample_rate, release.steps) == (1.0, 1)
-    loader = DPDataLoader.from_data_loader(DataLoader(ImageSetDataset(train_set), batch_size=batch))
+    (loader,) = made
     assert charge.sample_rate == pytest.approx(loader.sample_rate) and charge.steps == 2 * len(loader)
+    assert len(loader) == steps_per_epoch(local.examples, batch) and local.privacy["dp-steps"] == charge.steps
+
+
+def test_the_schedule_and_the_spend_depend_on_the_released_count_only(tmp_path, monkeypatch):
+    """Two factories whose exact image counts fall either side of a batch boundary (45 and 63 training images: 3 and 4
+    Poisson batches of 16 per epoch) but whose releases have the same total (60) train the same schedule and report the same
+    noise, steps and spend: what leaves a DP factory tells nothing of its exact count beyond the release."""
+    import client.trainer
+
+    monkeypatch.setattr(client.trainer, "noisy_counts", lambda counts, noise: np.full(len(counts), 10.0))
+    reports, exact = [], []
+    for name, size in (("small", 50), ("large", 70)):
+        trainer = FactoryTrainer(_cfg(tmp_path / name, train_size=size, dp_epsilon=50.0))
+        local = trainer.train(_global(), CONFIG, 1, run_id="r")
+        exact.append(len(trainer.prepare(_global(), CONFIG).train_set))
+        assert local.examples == 60  # the update's weight: the released total
+        reports.append({k: local.privacy[k] for k in ("noise-multiplier", "dp-steps", "epsilon-spent")})
+        trainer.close()
+    assert steps_per_epoch(exact[0], 16) != steps_per_epoch(exact[1], 16)  # planned from the exact counts, they would differ
+    assert reports[0] == reports[1] and reports[0]["dp-steps"] == steps_per_epoch(60, 16)
 
 
 def test_renaming_a_factory_never_resets_its_budget(tmp_path):

@@ -82,7 +82,7 @@ def test_dp_training_moves_the_head_only_within_the_public_subspace_and_is_accou
     update = local.weights["weight"].astype(np.float64) - weights["weight"]
     assert np.linalg.norm(update) > 0
     assert np.linalg.norm(update - (update @ q) @ q.T) < 1e-4 * np.linalg.norm(update)  # no component outside the subspace
-    n = len(trainer.prepare(weights, CONFIG).train_set)
+    n = local.examples  # the total of the released class counts, which the schedule is planned from
     release, (noise, rate, steps) = trainer.ledger.history()  # the class counts' one release, then the round
     assert rate == sample_rate(n, 256) and steps == 1  # the private-head batch (256), one epoch
     accountant = RDPAccountant()
