@@ -52,7 +52,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=BATCH, help="images per forward pass (default: the product's, common.features.BATCH)")
     p.add_argument("--input-size", type=int, default=64, help="side of the input images (the built-in generator's: 64)")
     p.add_argument("--channels", type=int, default=1, choices=(1, 3))
-    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--reps", type=int, default=4, help="passes over the images per layout (fewer: noisier on a busy machine)")
     a = p.parse_args()
     product = build_model("effnet-lite0", 6, seed=0).backbone
     baseline = copy.deepcopy(product).to(memory_format=torch.contiguous_format)
