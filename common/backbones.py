@@ -125,7 +125,7 @@ class FrozenBackbone(nn.Module):
         self.blocks = nn.ModuleList(net._blocks[: (len(net._blocks) if uses_head else last + 1)])
         self.head_conv = nn.Sequential(net._conv_head, net._bn1, net._swish) if uses_head else None
         self.taps = frozenset(spec.blocks)
-        # channels-last convolutions: 1.3-1.5x faster feature extraction on CPU, the same features to ~1e-5
+        # channels-last convolutions: feature extraction in about 0.63 of the time at one CPU thread, the same features to ~1e-5
         # (bench/feature_extraction.py; docs/benchmarks.md)
         self.to(memory_format=torch.channels_last)
         with torch.no_grad():
