@@ -29,11 +29,8 @@ from common.models import build_model
 
 def contiguous_features(backbone: torch.nn.Module, images: torch.Tensor) -> torch.Tensor:
     """What `FrozenBackbone.raw_features` computes, in torch's default memory format (the baseline)."""
-    x = images.float().expand(-1, 3, -1, -1) if images.shape[1] == 1 else images.float()
-    size = backbone.spec.input_size
-    x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
     with torch.no_grad():
-        return F.layer_norm(backbone._pooled((x * 255.0 - 127.0) / 128.0), (backbone.feature_dim,))
+        return F.layer_norm(backbone._pooled(backbone.prepare(images)), (backbone.feature_dim,))
 
 
 def per_image_ms(fn, images: torch.Tensor, batch: int, reps: int) -> float:

@@ -77,13 +77,19 @@ def sample_rate(num_examples: int, batch_size: int) -> float:
     return 1.0 / steps_per_epoch(num_examples, batch_size)
 
 
+def poisson_steps(rate: float) -> int:
+    """Batches per epoch of a Poisson schedule at ``rate`` = 1 / steps: round(1 / q), the steps the ledger charged
+    (Opacus' int(1 / q) could round one step away)."""
+    return max(1, round(1.0 / rate))
+
+
 def poisson_loader(dataset: Dataset, rate: float, **kwargs: Any) -> DataLoader:
-    """Opacus' Poisson loader at ``rate`` (q = 1 / steps for a whole number of steps), with exactly round(1 / q) batches per
-    epoch: the schedule the ledger charged, whatever the data set's size (int(1 / q) could round one step away)."""
+    """Opacus' Poisson loader at ``rate``, with exactly `poisson_steps` batches per epoch: the schedule the ledger charged,
+    whatever the data set's size."""
     from opacus.data_loader import DPDataLoader
 
     loader = DPDataLoader(dataset, sample_rate=rate, generator=_urandom_generator(), **kwargs)
-    loader.batch_sampler.steps = max(1, round(1.0 / rate))  # type: ignore[union-attr]
+    loader.batch_sampler.steps = poisson_steps(rate)  # type: ignore[union-attr]
     return loader
 
 

@@ -199,7 +199,7 @@ def train_private_distributed(model: Any, data: Any, cfg: Any, dp: DPPlan, rank:
     from torch.utils.data import DataLoader
     from torch.utils.data._utils.collate import default_collate
 
-    from client.dp import ImageSetDataset, _urandom_generator, average_by_plan, make_private, run_dp_epochs
+    from client.dp import ImageSetDataset, _urandom_generator, average_by_plan, make_private, poisson_steps, run_dp_epochs
     from common.training import make_optimizer
 
     class AlwaysYieldSampler(DistributedUniformWithReplacementSampler):
@@ -214,7 +214,7 @@ def train_private_distributed(model: Any, data: Any, cfg: Any, dp: DPPlan, rank:
 
     dataset = ImageSetDataset(data)
     sampler = AlwaysYieldSampler(total_size=len(dataset), sample_rate=dp.sample_rate, generator=_urandom_generator(),
-                                 steps=max(1, round(1.0 / dp.sample_rate)))  # the schedule the ledger charged (client.dp.poisson_loader)
+                                 steps=poisson_steps(dp.sample_rate))  # the schedule the ledger charged
     collate = wrap_collate_with_empty(collate_fn=default_collate, sample_empty_shapes=[(0, *data.image_shape), (0,)],
                                       dtypes=[torch.float32, torch.int64])
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)

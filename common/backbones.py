@@ -157,15 +157,19 @@ class FrozenBackbone(nn.Module):
             feats += [h.mean(dim=(2, 3)), h.amax(dim=(2, 3))]
         return torch.cat(feats, dim=1)
 
-    def raw_features(self, images: torch.Tensor) -> torch.Tensor:
-        """Layer-normed pooled features, before centring (what the public centre is computed from)."""
+    def prepare(self, images: torch.Tensor) -> torch.Tensor:
+        """Images (B, 1|3, H, W) in [0, 1] as the network's input: three channels, the spec's size, Lite0's normalisation."""
         x = images.float()
         if x.shape[1] == 1:
             x = x.expand(-1, 3, -1, -1)
         size = self.spec.input_size
         if x.shape[-2:] != (size, size):
             x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
-        x = ((x * 255.0 - 127.0) / 128.0).contiguous(memory_format=torch.channels_last)
+        return (x * 255.0 - 127.0) / 128.0
+
+    def raw_features(self, images: torch.Tensor) -> torch.Tensor:
+        """Layer-normed pooled features, before centring (what the public centre is computed from)."""
+        x = self.prepare(images).contiguous(memory_format=torch.channels_last)
         with torch.no_grad():
             return F.layer_norm(self._pooled(x), (self.feature_dim,))
 
