@@ -51,6 +51,8 @@ def agent_options(f):  # type: ignore[no-untyped-def]
                      "factories with different architectures are averaged within their group and share knowledge by distillation. "
                      "Empty: whatever the server's run config says."),
         click.option("--torch-threads", default=1, type=int, help="torch intra-op threads for training."),
+        click.option("--feature-device", default="auto", help="Where the frozen pretrained backbone computes this factory's image "
+                     "features (once per image, then cached): auto (a GPU if torch sees one, else the CPU), cpu, cuda or cuda:N."),
         click.option("--parallelism", default="none", type=click.Choice(["none", "ddp", "fsdp"]), help="Local training across several workers."),
         click.option("--local-world-size", default=1, type=click.IntRange(1), help="Ranks of the DDP/FSDP worker group (GPUs or CPU workers)."),
         click.option("--registry", default="", help="Central ModelRegistry (host:port): follow approvals and serve Inspection."),

@@ -29,6 +29,7 @@ class AgentConfig:
     train_size: int = 600
     val_fraction: float = 0.1  # held out (stratified) for evaluating global models here
     torch_threads: int = 1
+    feature_device: str = "auto"  # where the frozen backbone extracts features: auto (a GPU if torch sees one), cpu, cuda, cuda:N
     architecture: str = ""  # the model this factory trains; empty: the server's run config decides
     parallelism: str = "none"  # none | ddp | fsdp
     local_world_size: int = 1  # ranks of the DDP/FSDP worker group
@@ -62,6 +63,9 @@ class AgentConfig:
     def validated(self) -> AgentConfig:
         self.privacy_budget()  # raises ValueError naming the bad --dp-* option
         self.secagg_policy()  # and the bad --secagg-* option
+        from common.backbones import feature_device
+
+        feature_device(self.feature_device)  # and a GPU this host does not have
         from common.data.classes import parse_aliases, parse_classes
 
         classes = parse_classes(self.classes)

@@ -119,8 +119,10 @@ class ImageSetDataset(Dataset):
         return [(images[j], self.labels[i]) for j, i in enumerate(indices)]
 
 
-def _urandom_generator() -> torch.Generator:
-    return torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1))
+def _urandom_generator(device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator seeded from ``os.urandom``, on ``device``: Opacus draws each step's noise on the parameters' device, and
+    torch refuses a generator that lives elsewhere (a CPU generator for a model on a GPU)."""
+    return torch.Generator(device=device).manual_seed(int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1))
 
 
 def noisy_counts(counts: np.ndarray, noise_multiplier: float) -> np.ndarray:
@@ -147,7 +149,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Dat
         warnings.filterwarnings("ignore", message=".*Optimal order.*")
         made = engine.make_private(
             module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-            poisson_sampling=poisson_sampling, noise_generator=_urandom_generator(), grad_sample_mode=grad_sample_mode,
+            poisson_sampling=poisson_sampling, noise_generator=_urandom_generator(next(model.parameters()).device),
+            grad_sample_mode=grad_sample_mode,
             criterion=nn.CrossEntropyLoss(),
         )
     if "ghost" in grad_sample_mode:
@@ -216,7 +219,7 @@ def noisy_gradient_step(model: nn.Module, data: ImageSet, lr: float, noise_multi
     with torch.no_grad():
         for name, p in trainable.items():
             noise = torch.normal(0.0, noise_multiplier * max_grad_norm, size=p.shape, generator=generator)
-            p.sub_(lr * (total[name] + noise.to(p.dtype)) / (normaliser or n))
+            p.sub_(lr * (total[name] + noise.to(p.device, p.dtype)) / (normaliser or n))
     if not all(torch.isfinite(p).all() for p in trainable.values()):
         raise FloatingPointError("the DP gradient step gave non-finite weights; lower secure-sum-lr")
     return TrainResult(loss=loss_sum / n, accuracy=correct / n, steps=1, examples=n)

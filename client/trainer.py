@@ -39,6 +39,7 @@ from client.personal import PersonalModels, hit_rate, public_examples, weights_d
 from client.privacy import PrivacyLedger, noise_for_budget
 from client.subspace import PublicSubspace, SubspaceError, SubspaceHead, fit_subspace
 from client.workers import Job, WorkerGroup
+from common.backbones import FeatureExtractor, feature_extractor
 from common.data import datasets
 from common.data.datasets import ImageSet
 from common.data.folder import DatasetError
@@ -190,16 +191,21 @@ class FactoryTrainer:
         except (UpdateError, DatasetError, ValueError) as exc:
             log.info("did not prepare data ahead of the first round: %s", exc)
 
+    def _extractor(self, model: nn.Module) -> FeatureExtractor:
+        """The model's frozen backbone where this factory extracts features (``--feature-device``)."""
+        return feature_extractor(model.backbone.spec, self.cfg.feature_device)  # type: ignore[union-attr,arg-type]
+
     def _features(self, model: nn.Module, request: DataRequest, train_set: ImageSet, held_out: ImageSet) -> tuple[ImageSet, ImageSet]:
         """Backbone features of the split (cached on disk by backbone and image content; kept in memory per request)."""
         ident = model.backbone.spec.ident  # type: ignore[union-attr]
         key = (ident, request)
         if key not in self._feature_sets:
             t0 = time.perf_counter()
-            self._feature_sets = {key: (features_of(train_set, ident, model.encode, self.features),  # type: ignore[operator]
-                                        features_of(held_out, ident, model.encode, self.features))}  # type: ignore[operator]
-            log.info("backbone features for %d + %d images ready in %.1fs (cache hits %d, misses %d, rebuilt %d)", len(train_set), len(held_out),
-                     time.perf_counter() - t0, self.features.hits, self.features.misses, self.features.rebuilt)
+            extract = self._extractor(model)
+            self._feature_sets = {key: (features_of(train_set, ident, extract, self.features, batch=extract.batch),
+                                        features_of(held_out, ident, extract, self.features, batch=extract.batch))}
+            log.info("backbone features for %d + %d images ready in %.1fs on %s (cache hits %d, misses %d, rebuilt %d)", len(train_set),
+                     len(held_out), time.perf_counter() - t0, extract.device, self.features.hits, self.features.misses, self.features.rebuilt)
         return self._feature_sets[key]
 
     # one round ------------------------------------------------------------------------------
@@ -390,7 +396,8 @@ class FactoryTrainer:
         """Backbone features of the proxy set's images (cached by content like the factory's own)."""
         ident = prep.model.backbone.spec.ident  # type: ignore[union-attr]
         images = datasets.ImageDataset(proxy.images, np.zeros(len(proxy), dtype=np.int64), prep.request.classes)
-        feats = features_of(images, ident, prep.model.encode, self.features, keys=array_keys(proxy.images))  # type: ignore[arg-type]
+        extract = self._extractor(prep.model)
+        feats = features_of(images, ident, extract, self.features, keys=array_keys(proxy.images), batch=extract.batch)
         return feats.images_at(np.arange(len(feats)))
 
     def _charge_privacy(self, n: int, cfg: TrainConfig, config: dict[str, Any], server_round: int, run_id: str,

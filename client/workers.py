@@ -142,7 +142,9 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, cfg: Agent
         if backend == "nccl":
             torch.cuda.set_device(rank)
         store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        # nccl: bind the rank to its GPU up front (else torch guesses the device from the rank, and warns that it may hang)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                device_id=torch.device("cuda", rank) if backend == "nccl" else None)
         data = factory_data(cfg)
         results.put((rank, "ok", {"pid": os.getpid()}))
     except Exception as exc:  # noqa: BLE001 - reported to the agent, which restarts the group

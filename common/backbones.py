@@ -20,7 +20,10 @@ trains only the head, which costs milliseconds.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -29,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.features import BATCH
 from common.rng import global_torch_rng
 
 
@@ -209,3 +213,81 @@ def backbone_for(spec: BackboneSpec) -> FrozenBackbone:
         if spec not in _BACKBONES:
             _BACKBONES[spec] = FrozenBackbone(spec)
         return _BACKBONES[spec]
+
+
+# ---------------------------------------------------------------------------------------------
+# where features are extracted
+
+FEATURE_DEVICES = "auto (a GPU if torch sees one, else the CPU), cpu, cuda or cuda:N"
+GPU_BATCH = 256  # on a GPU: enough images per pass to keep it busy (bench/gpu_check.py)
+
+
+def feature_device(name: str, option: str = "--feature-device") -> torch.device:
+    """The device a feature-device setting names; a GPU torch does not see is refused here, naming the ``option``."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"{option} {name!r} is not one of {FEATURE_DEVICES}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{option} {name!r} is not one of {FEATURE_DEVICES}")
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        raise ValueError(f"{option} {name!r}: torch sees {torch.cuda.device_count()} GPU(s) on this host; use auto or cpu")
+    return device
+
+
+@contextlib.contextmanager
+def _full_precision_convolutions() -> Iterator[None]:
+    """cuDNN convolutions in IEEE fp32, not TF32: a GPU's features then match the CPU's to float rounding (~1e-5), so
+    the cache, which does not record where a vector was computed, never mixes two precisions of the same image."""
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):
+        before = conv.fp32_precision
+        conv.fp32_precision = "ieee"
+        try:
+            yield
+        finally:
+            conv.fp32_precision = before
+    else:  # torch before the per-operator precision API
+        legacy = torch.backends.cudnn.allow_tf32
+        torch.backends.cudnn.allow_tf32 = False
+        try:
+            yield
+        finally:
+            torch.backends.cudnn.allow_tf32 = legacy
+
+
+@dataclass(frozen=True, eq=False)
+class FeatureExtractor:
+    """The frozen backbone as a feature function on one device: CPU images in, CPU features out.
+
+    ``batch`` is how many images `common.features.features_of` should pass at once there.
+    """
+
+    backbone: FrozenBackbone
+    device: torch.device
+    batch: int
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return self.backbone(images)
+        with torch.no_grad(), _full_precision_convolutions():
+            return self.backbone(images.to(self.device, non_blocking=True)).cpu()
+
+
+_ON_GPU: dict[tuple[BackboneSpec, str], FrozenBackbone] = {}
+
+
+def feature_extractor(spec: BackboneSpec, device: str = "auto") -> FeatureExtractor:
+    """Where a factory (or the central site) computes backbone features: the process's shared CPU instance, or a copy of
+    it kept on the GPU that ``device`` names (``--feature-device``). A GPU computes the same features (to ~1e-5, TF32
+    off) many times faster: a site's images are extracted once, then read from the cache (docs/benchmarks.md)."""
+    where = feature_device(device)
+    shared = backbone_for(spec)
+    if where.type == "cpu":
+        return FeatureExtractor(shared, where, BATCH)
+    key = (spec, str(where))
+    if key not in _ON_GPU:
+        _ON_GPU[key] = copy.deepcopy(shared).to(where)
+    return FeatureExtractor(_ON_GPU[key], where, GPU_BATCH)

@@ -42,7 +42,7 @@ from common.data.datasets import ImageSet
 
 log = logging.getLogger(__name__)
 
-BATCH = 32
+BATCH = 32  # images per forward pass unless the extractor says otherwise (a GPU takes more: common.backbones.GPU_BATCH)
 CACHE_ENV = "FEDFORGE_FEATURE_CACHE"
 SHARED_WAIT_S = 60.0  # how long a writer waits for another process holding the shared cache's write lock
 
@@ -148,25 +148,27 @@ class FeatureCache:
         self._db.close()
 
 
-def compute(encode: Callable[[torch.Tensor], torch.Tensor], images_at: Callable[[np.ndarray], np.ndarray], indices: np.ndarray) -> np.ndarray:
-    """Run the frozen encoder over the images at ``indices`` in batches."""
+def compute(encode: Callable[[torch.Tensor], torch.Tensor], images_at: Callable[[np.ndarray], np.ndarray], indices: np.ndarray,
+            batch: int = BATCH) -> np.ndarray:
+    """Run the frozen encoder over the images at ``indices``, ``batch`` at a time."""
     out = []
     with torch.no_grad():
-        for start in range(0, len(indices), BATCH):
-            out.append(encode(torch.from_numpy(images_at(indices[start : start + BATCH]))).float().numpy())
+        for start in range(0, len(indices), batch):
+            out.append(encode(torch.from_numpy(images_at(indices[start : start + batch]))).float().numpy())
     return np.concatenate(out) if out else np.zeros((0, 0), dtype=np.float32)
 
 
 def features_of(data: ImageSet, backbone: str, encode: Callable[[torch.Tensor], torch.Tensor], cache: FeatureCache | None,
-                keys: Sequence[str] | None = None) -> FeatureSet:
-    """``data`` as backbone features: cached rows are read, the rest computed (and stored)."""
+                keys: Sequence[str] | None = None, batch: int = BATCH) -> FeatureSet:
+    """``data`` as backbone features: cached rows are read, the rest computed (and stored), ``batch`` images per pass
+    (a `common.backbones.FeatureExtractor` says how many suit its device)."""
     keys = list(keys) if keys is not None else content_keys(data)
     cached = cache.lookup(backbone, keys) if cache is not None else {}
     missing = np.array([i for i, k in enumerate(keys) if k not in cached], dtype=np.int64)
     if cache is not None:
         cache.hits += len(keys) - len(missing)
         cache.misses += len(missing)
-    fresh = (compute(encode, data.images_at, missing) if len(missing) else np.zeros((0, 0))).astype(np.float16)
+    fresh = (compute(encode, data.images_at, missing, batch) if len(missing) else np.zeros((0, 0))).astype(np.float16)
     if cache is not None and len(missing):
         cache.store(backbone, [keys[i] for i in missing], fresh)
         log.info("computed backbone features of %d images (%d read from the cache)", len(missing), len(keys) - len(missing))

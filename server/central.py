@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 from torch import nn
 
+from common.backbones import feature_extractor
 from common.data import datasets
 from common.data.datasets import ImageDataset, ImageSet
 from common.data.folder import load_image_folder
@@ -69,7 +70,8 @@ class CentralData:
         with self._lock:
             if key not in self._inputs:
                 keys = array_keys(data.images) if isinstance(data, ImageDataset) else None
-                self._inputs[key] = features_of(data, model.backbone.spec.ident, model.encode, self.features, keys)  # type: ignore[union-attr,operator]
+                extract = feature_extractor(model.backbone.spec, self.cfg.feature_device)  # type: ignore[union-attr,arg-type]
+                self._inputs[key] = features_of(data, extract.backbone.spec.ident, extract, self.features, keys, batch=extract.batch)
             return self._inputs[key]
 
     def proxy_inputs(self, model: nn.Module, architecture: str, images: np.ndarray) -> np.ndarray:

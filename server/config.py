@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from common.backbones import feature_device
 from common.data.classes import DEFAULT_CLASSES, format_classes, parse_classes
 from common.data.datasets import SyntheticSpec
 from common.evaluation import DEFAULT_GOOD_CLASS
@@ -60,6 +61,7 @@ class FederationConfig:
     test_data: str = ""  # an image folder for central evaluation (optional)
     registry_dir: str = ""  # absolute path; empty: ./fedforge-registry in the SuperLink's directory
     torch_threads: int = 1
+    feature_device: str = "auto"  # where the central site's frozen backbone extracts features (test, proxy, validation sets)
     # The server optimiser applied to the averaged update (Reddi et al. 2021).
     server_optimizer: str = "fedavgm"  # fedavg | fedavgm | fedadam
     server_lr: float = 1.0
@@ -109,6 +111,7 @@ class FederationConfig:
         if self.server_lr <= 0 or not 0 <= self.server_momentum < 1 or not 0 <= self.server_beta2 < 1 or self.server_tau <= 0:
             raise ValueError("server-lr and server-tau must be > 0, server-momentum and server-beta2 in [0, 1)")
         parse_classes(self.classes)  # raises naming the problem
+        feature_device(self.feature_device, option="run-config key feature-device")
         if self.channels not in (1, 3):
             raise ValueError(f"channels must be 1 (grey) or 3 (RGB), got {self.channels}")
         if not 8 <= self.image_size <= 1024:

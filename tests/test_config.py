@@ -55,3 +55,5 @@ def test_unknown_keys_are_logged_and_bad_values_name_their_key(caplog):
         FederationConfig.from_run_config({"server-optimizer": "sgd"})
     with pytest.raises(ValueError, match="more than once"):
         FederationConfig.from_run_config({"classes": "ok,crack,ok"})
+    with pytest.raises(ValueError, match="run-config key feature-device 'tpu'"):
+        FederationConfig.from_run_config({"feature-device": "tpu"})

@@ -115,6 +115,25 @@ def test_a_tampered_feature_cache_is_rebuilt(tmp_path):
     assert np.array_equal(other.images, first.images) and cache.misses == 6 + 1 + 6
 
 
+def test_features_are_extracted_where_the_site_says_and_a_gpu_it_lacks_is_refused_at_start(tmp_path):
+    """--feature-device: the CPU extractor is the process's shared backbone; the batch size does not change a feature; a
+    GPU this host does not have (or a device that is no device) is refused when the agent's configuration is checked,
+    naming the option. (The GPU path itself is checked by bench/gpu_check.py on a GPU machine: same features to 2e-6.)"""
+    model = build_model(ARCH, 6, seed=0)
+    cpu = backbones.feature_extractor(model.backbone.spec, "cpu")
+    assert cpu.backbone is model.backbone and cpu.device.type == "cpu"
+    data = datasets.test_dataset(datasets.SyntheticSpec(), 9)
+    whole = features_of(data, "by-batch", cpu, None, array_keys(data.images), batch=cpu.batch)
+    small = features_of(data, "by-batch", cpu, None, array_keys(data.images), batch=4)
+    assert np.allclose(whole.images.astype(np.float32), small.images.astype(np.float32), atol=2e-2)
+    assert np.array_equal(whole.images, features_of(data, "by-batch", model.encode, None, array_keys(data.images)).images)
+    missing_gpu = f"cuda:{torch.cuda.device_count()}"
+    for bad, reason in ((missing_gpu, "GPU"), ("tpu", "not one of"), ("gpu", "not one of")):
+        with pytest.raises(ValueError, match=f"--feature-device '{bad}'.*{reason}"):
+            AgentConfig(factory_id="f", feature_device=bad).validated()
+    assert AgentConfig(factory_id="f", feature_device="auto").validated().feature_device == "auto"
+
+
 SHARED_WRITER = """
 import sys
 import numpy as np
