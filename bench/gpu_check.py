@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""GPU check for the `device` machine: backbone feature extraction on the GPU against the CPU, and the nccl DDP/FSDP
-worker groups, with and without DP, fp32 and bf16.
+"""GPU check for the `device` machine: backbone feature extraction on the GPU against the CPU (alone, and in a factory's
+first round), and the nccl DDP/FSDP worker groups, with and without DP, fp32 and bf16.
 
 One call, a few minutes; prints one JSON line per measurement and a summary. CI never runs this (no GPU there); run it
 when a GPU machine is lent:
@@ -94,6 +94,30 @@ def check_features(args: argparse.Namespace, on_gpu: bool) -> list[dict]:
     return rows
 
 
+def check_agent_round(on_gpu: bool) -> list[dict]:
+    """A factory's first pretrained-family round (features extracted, then the head trained), with --feature-device auto
+    against cpu: the time of the round, and the trained heads, which should agree."""
+    from client.trainer import FactoryTrainer
+    from common.models import weights_of
+
+    config = {"architecture": "effnet-lite0", "local-epochs": 2, "batch-size": 16}
+    weights = weights_of(build_model("effnet-lite0", 6, seed=1))
+    heads, seconds = {}, {}
+    threads = os.cpu_count() or 1
+    for device in ("cpu", "auto"):
+        with tempfile.TemporaryDirectory() as tmp:
+            trainer = FactoryTrainer(AgentConfig(factory_id=f"gpu-check-{device}", train_size=600, state_dir=tmp, torch_threads=threads,
+                                                 feature_device=device))
+            t0 = time.perf_counter()
+            heads[device] = trainer.train(weights, config, 1, run_id="gpu-check").weights
+            seconds[device] = time.perf_counter() - t0
+            trainer.close()
+    diff = max(float(np.abs(heads["auto"][k] - heads["cpu"][k]).max()) for k in heads["cpu"])
+    return [emit({"agent_round": "effnet-lite0, 600 images, features from scratch", "cpu_threads": threads, "cpu_s": round(seconds["cpu"], 2),
+                  "auto_s": round(seconds["auto"], 2), "auto_over_cpu": round(seconds["auto"] / seconds["cpu"], 3),
+                  "max_abs_head_diff": diff, "ok": diff < 1e-3})]
+
+
 def check_worker_groups(args: argparse.Namespace, on_gpu: bool) -> list[dict]:
     world = torch.cuda.device_count() if on_gpu else 2
     cfg = AgentConfig(factory_id="gpu-check", train_size=args.images, torch_threads=4)
@@ -140,7 +164,7 @@ def main() -> int:
         return 2
     emit({"gpus": torch.cuda.device_count(), "name": torch.cuda.get_device_name(0) if on_gpu else "cpu", "torch": torch.__version__,
           "cpu_threads": os.cpu_count()})
-    rows = check_features(args, on_gpu) + check_worker_groups(args, on_gpu)
+    rows = check_features(args, on_gpu) + check_agent_round(on_gpu) + check_worker_groups(args, on_gpu)
     ok = all(r["ok"] for r in rows if "ok" in r)
     print("GPU check", "passed" if ok else "FAILED", flush=True)
     return 0 if ok else 1
