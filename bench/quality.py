@@ -33,6 +33,7 @@ Your own image folders instead of the built-in generator (seeds then vary the mo
 order, not the data):
 
     python bench/quality.py --folders ROOT --recipes default --dp
+    python bench/quality.py --folders ROOT --recipes default --channels 3 --image-size 96   # colour images, as RGB
 
     ROOT/<factory>/train/<class>/*.png   one directory per factory (any name; sorted), its training images
     ROOT/<factory>/test/<class>/*.png    images of that factory's own distribution, never trained on
@@ -133,8 +134,8 @@ class Folders:
         proxy = root / "proxy" if (root / "proxy").is_dir() else None
         return cls(factories, central, parse_classes(classes) if classes else tuple(found), proxy)
 
-    def test_set(self, folder: Path, size: int) -> ImageDataset:
-        data, _report = load_image_folder(folder, size, self.classes)
+    def test_set(self, folder: Path, size: int, channels: int) -> ImageDataset:
+        data, _report = load_image_folder(folder, size, self.classes, channels)
         return ImageDataset(data.images_at(np.arange(len(data))), np.asarray(data.labels), self.classes)
 
 
@@ -148,9 +149,11 @@ def factory_test_set(spec: datasets.SyntheticSpec, index: int, size: int) -> Ima
 
 class Bench:
     def __init__(self, seed: int, factories: int, alpha: float, train_size: int, workdir: Path, tag: str, dp_epsilon: float = 0.0,
-                 rounds: int = 1, folders: Folders | None = None, public: bool = True, secure_sum: bool = False) -> None:
-        self.spec = datasets.SyntheticSpec(seed=seed, num_factories=factories, alpha=alpha, train_size=train_size)
-        self.seed, self.folders = seed, folders
+                 rounds: int = 1, folders: Folders | None = None, public: bool = True, secure_sum: bool = False, channels: int = 1,
+                 image_size: int = 0) -> None:
+        spec = datasets.SyntheticSpec(seed=seed, num_factories=factories, alpha=alpha, train_size=train_size)
+        self.spec = replace(spec, image_size=image_size) if image_size else spec
+        self.seed, self.folders, self.channels = seed, folders, channels
         self.classes = folders.classes if folders else tuple(synth.CLASSES)
         if folders:
             factories = len(folders.factories)
@@ -165,8 +168,8 @@ class Bench:
         for trainer in self.trainers:  # one feature cache for every run of the bench (features depend on the images only)
             trainer.features = FeatureCache(workdir / "bench-features.db")
         if folders:
-            self.factory_tests = [folders.test_set(d / "test", self.spec.image_size) for d in folders.factories]
-            self.test = (folders.test_set(folders.central_test, self.spec.image_size) if folders.central_test else
+            self.factory_tests = [folders.test_set(d / "test", self.spec.image_size, channels) for d in folders.factories]
+            self.test = (folders.test_set(folders.central_test, self.spec.image_size, channels) if folders.central_test else
                          ImageDataset(np.concatenate([t.images for t in self.factory_tests]), np.concatenate([t.labels for t in self.factory_tests]),
                                       self.classes))
         else:
@@ -175,12 +178,13 @@ class Bench:
         self.cache = FeatureCache(workdir / "bench-features.db")
         self.public = None  # the run's proxy set: public images the factories may learn their DP subspace from
         if public and folders and folders.proxy:
-            self.public = ProxySet(load_unlabelled_folder(folders.proxy, self.spec.image_size)[0])
+            self.public = ProxySet(load_unlabelled_folder(folders.proxy, self.spec.image_size, channels)[0])
         elif public and not folders:
             self.public = ProxySet(datasets.proxy_images(self.spec, PROXY_SIZE))
 
     def config(self, recipe: Recipe, server_round: int) -> dict:
-        return replace(recipe.federation(self.seed), classes=format_classes(self.classes)).train_config(server_round, recipe.architecture)
+        run = replace(recipe.federation(self.seed), classes=format_classes(self.classes), image_size=self.spec.image_size, channels=self.channels)
+        return run.train_config(server_round, recipe.architecture)
 
     @property
     def request(self) -> DataRequest:
@@ -188,7 +192,7 @@ class Bench:
         return data_request_from(self.config(RECIPES["default"], 1))
 
     def model(self, arch: str, seed: int | None = None):
-        return build_model(arch, len(self.classes), seed=seed)
+        return build_model(arch, len(self.classes), seed=seed, in_channels=self.channels)
 
     def inputs(self, model, arch: str, data: ImageDataset):
         if not is_pretrained(arch):
@@ -273,13 +277,19 @@ def main() -> None:
     p.add_argument("--workdir", default=None, help="feature cache and factory state (default: a temporary directory)")
     p.add_argument("--folders", default=None, help="run on these image folders instead of the built-in generator (layout: see above)")
     p.add_argument("--classes", default="", help="with --folders: the run's ordered class list (default: the folders' names, sorted)")
+    p.add_argument("--channels", type=int, default=1, choices=(1, 3), help="with --folders: 1 reads every image as grey, 3 as RGB (the run's channels)")
+    p.add_argument("--image-size", type=int, default=0, help="with --folders: the run's image-size (default: the run config's)")
     a = p.parse_args()
+    if (a.channels != 1 or a.image_size) and not a.folders:
+        p.error("--channels and --image-size apply to --folders (the built-in generator draws grey images at the run's default size)")
     set_torch_threads(a.threads)
     workdir = Path(a.workdir or tempfile.mkdtemp(prefix="fedforge-quality-"))
     folders = Folders.at(a.folders, a.classes) if a.folders else None
     if folders:
         a.settings = "folders"
-        print(f"{len(folders.factories)} factories from {a.folders}, classes {list(folders.classes)}", flush=True)
+        size = a.image_size or FederationConfig.image_size
+        print(f"{len(folders.factories)} factories from {a.folders}, classes {list(folders.classes)}, read as "
+              f"{'RGB' if a.channels == 3 else 'grey'} at {size} px", flush=True)
     rows = []
     for setting in a.settings.split(","):
         factories, alpha = (len(folders.factories), 0.0) if folders else SETTINGS[setting]
@@ -287,13 +297,13 @@ def main() -> None:
             recipe = RECIPES[key]
             for seed in map(int, a.seeds.split(",")):
                 t0 = time.perf_counter()
-                bench = Bench(seed, factories, alpha, a.train_size, workdir, key, folders=folders)
+                bench = Bench(seed, factories, alpha, a.train_size, workdir, key, folders=folders, channels=a.channels, image_size=a.image_size)
                 fed, base = bench.federate(recipe), bench.pooled_and_local(recipe)
                 row = {"setting": setting, "recipe": recipe.name, "seed": seed, **fed, **base, "seconds": time.perf_counter() - t0}
                 if a.dp and key == a.recipes.split(",")[0]:
                     dp_recipe = replace(recipe, name=recipe.name + " DP", rounds=a.dp_rounds or (SECURE_SUM_DP_ROUNDS if a.dp_secure_sum else recipe.rounds))
                     dp_bench = Bench(seed, factories, alpha, a.train_size, workdir, key, dp_epsilon=8.0, rounds=dp_recipe.rounds, folders=folders,
-                                     public=not a.no_public, secure_sum=a.dp_secure_sum)
+                                     public=not a.no_public, secure_sum=a.dp_secure_sum, channels=a.channels, image_size=a.image_size)
                     row["dp_public_images"] = len(dp_bench.public) if dp_bench.public is not None else 0
                     row["dp_rounds"], row["dp_noise_holders"] = dp_recipe.rounds, dp_bench.noise_holders
                     dp = dp_bench.federate(dp_recipe)
