@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
@@ -277,6 +278,7 @@ class FeatureExtractor:
 
 
 _ON_GPU: dict[tuple[BackboneSpec, str], FrozenBackbone] = {}
+_ON_GPU_LOCK = threading.Lock()  # the agent's ahead-of-round preparation and a round may ask at once: one copy per GPU
 
 
 def feature_extractor(spec: BackboneSpec, device: str = "auto") -> FeatureExtractor:
@@ -288,6 +290,7 @@ def feature_extractor(spec: BackboneSpec, device: str = "auto") -> FeatureExtrac
     if where.type == "cpu":
         return FeatureExtractor(shared, where, BATCH)
     key = (spec, str(where))
-    if key not in _ON_GPU:
-        _ON_GPU[key] = copy.deepcopy(shared).to(where)
-    return FeatureExtractor(_ON_GPU[key], where, GPU_BATCH)
+    with _ON_GPU_LOCK:
+        if key not in _ON_GPU:
+            _ON_GPU[key] = copy.deepcopy(shared).to(where)
+        return FeatureExtractor(_ON_GPU[key], where, GPU_BATCH)
