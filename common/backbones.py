@@ -242,21 +242,13 @@ def feature_device(name: str, option: str = "--feature-device") -> torch.device:
 def _full_precision_convolutions() -> Iterator[None]:
     """cuDNN convolutions in IEEE fp32, not TF32: a GPU's features then match the CPU's to float rounding (~1e-5), so
     the cache, which does not record where a vector was computed, never mixes two precisions of the same image."""
-    conv = getattr(torch.backends.cudnn, "conv", None)
-    if conv is not None and hasattr(conv, "fp32_precision"):
-        before = conv.fp32_precision
-        conv.fp32_precision = "ieee"
-        try:
-            yield
-        finally:
-            conv.fp32_precision = before
-    else:  # torch before the per-operator precision API
-        legacy = torch.backends.cudnn.allow_tf32
-        torch.backends.cudnn.allow_tf32 = False
-        try:
-            yield
-        finally:
-            torch.backends.cudnn.allow_tf32 = legacy
+    conv = torch.backends.cudnn.conv
+    before = conv.fp32_precision
+    conv.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        conv.fp32_precision = before
 
 
 @dataclass(frozen=True, eq=False)
@@ -273,7 +265,7 @@ class FeatureExtractor:
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
             return self.backbone(images)
-        with torch.no_grad(), _full_precision_convolutions():
+        with _full_precision_convolutions():
             return self.backbone(images.to(self.device, non_blocking=True)).cpu()
 
 
