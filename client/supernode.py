@@ -213,7 +213,8 @@ def install_fast_clientapp(mode: str = "warm") -> Path:
 
         socket_path = directory / "warm.sock"
         server = subprocess.Popen([sys.executable, "-m", "client.warm_clientapp", "--socket", str(socket_path),
-                                   "--parent-pid", str(os.getpid())])
+                                   "--parent-pid", str(os.getpid()),
+                                   "--remove-on-exit", str(directory)])
         atexit.register(server.terminate)
         os.environ[warm_clientapp.SOCKET_ENV] = str(socket_path)
         launcher = warm_clientapp.write_launcher(directory, direct)

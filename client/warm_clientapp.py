@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -129,10 +130,13 @@ def preload() -> Callable[[], object]:
     return entry
 
 
-def serve(path: Path, parent_pid: int, entry: Callable[[], object] | None = None) -> None:
-    """Fork one child per launcher connection until the SuperNode (``parent_pid``) is gone.
+def serve(path: Path, parent_pid: int, entry: Callable[[], object] | None = None, remove_on_exit: Path | None = None) -> None:
+    """Fork one child per launcher connection until the SuperNode (``parent_pid``) is gone, then delete
+    ``remove_on_exit`` (the SuperNode's launcher directory, which holds the socket).
 
-    Each child calls ``entry`` (Flower's ``flwr_clientapp`` after `preload`) with the launcher's argv."""
+    Each child calls ``entry`` (Flower's ``flwr_clientapp`` after `preload`) with the launcher's argv. Why the server
+    deletes the SuperNode's directory: a SuperNode that is killed (SIGKILL, the OOM killer) runs no exit handler, and
+    its launchers would be left in the temporary directory, one directory per start."""
     entry = entry or preload()
     _forget_own_packages()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel; their launchers report
@@ -164,6 +168,9 @@ def serve(path: Path, parent_pid: int, entry: Callable[[], object] | None = None
         conn.close()
         for fd in fds:
             os.close(fd)
+    listener.close()
+    if remove_on_exit is not None:
+        shutil.rmtree(remove_on_exit, ignore_errors=True)
 
 
 def _forget_own_packages() -> None:
@@ -244,9 +251,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="FedForge's warm fork server for flwr-clientapp processes.")
     parser.add_argument("--socket", required=True, type=Path, help="Unix socket path to listen on.")
     parser.add_argument("--parent-pid", required=True, type=int, help="Exit when this process (the SuperNode) exits.")
+    parser.add_argument("--remove-on-exit", type=Path, help="Directory to delete on exit (the SuperNode's launchers).")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(args.socket, args.parent_pid)
+    serve(args.socket, args.parent_pid, remove_on_exit=args.remove_on_exit)
 
 
 if __name__ == "__main__":

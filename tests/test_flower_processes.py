@@ -42,7 +42,7 @@ SERVER = textwrap.dedent("""
             raise RuntimeError("the ClientApp failed")
         sys.exit(int(args[args.index("--exit") + 1]) if "--exit" in args else 0)
 
-    serve(Path({socket!r}), int({parent}), entry=entry)
+    serve(Path({socket!r}), int({parent}), entry=entry, remove_on_exit=Path({socket!r}).parent / "launchers")
 """)
 
 
@@ -141,8 +141,10 @@ def test_a_malformed_request_is_refused_and_the_server_keeps_serving(warm, tmp_p
     assert done.returncode == 0 and server.poll() is None
 
 
-def test_the_server_exits_with_its_supernode(tmp_path):
+def test_the_server_exits_with_its_supernode_and_deletes_its_launchers_even_when_it_was_killed(tmp_path):
     socket_path = tmp_path / "warm.sock"
+    (tmp_path / "launchers").mkdir()
+    (tmp_path / "launchers" / "flwr-clientapp").write_text("#!/bin/sh\n")
     parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import os, subprocess, sys, time
         code = {SERVER!r}.format(root={str(ROOT)!r}, socket={str(socket_path)!r}, parent=os.getpid())
@@ -156,6 +158,7 @@ def test_the_server_exits_with_its_supernode(tmp_path):
     parent.wait()
     _wait_for(lambda: not Path(f"/proc/{server_pid}").exists() or "Z" in Path(f"/proc/{server_pid}/stat").read_text().rsplit(")", 1)[1][:3],
               "the fork server to exit after its SuperNode")
+    assert not (tmp_path / "launchers").exists()  # a SIGKILLed SuperNode runs no atexit handler; the server cleans up
 
 
 def test_flower_object_pulls_start_backing_off_at_50_ms_and_still_succeed(monkeypatch):
