@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import queue
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,5 +226,9 @@ def train_private_distributed(model: Any, data: Any, cfg: Any, dp: DPPlan, rank:
         poisson_sampling=False,  # our loader already samples (Poisson, never skipping a batch)
     )
     average_by_plan(private_opt, dp, world_size)
-    return run_dp_epochs(private_model, private_opt, criterion, private_loader, cfg, examples=len(data), step_on_empty=True,
-                         on_epoch=sampler.set_epoch)
+    with warnings.catch_warnings():
+        # Under Opacus' FSDP ghost clipping every forward output is a view, and FSDP2 warns on each one that an in-place op
+        # on it would skip its all-gather; `run_dp_epochs` never modifies the logits in place, so the warning says nothing.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
+        return run_dp_epochs(private_model, private_opt, criterion, private_loader, cfg, examples=len(data), step_on_empty=True,
+                             on_epoch=sampler.set_epoch)
