@@ -28,6 +28,7 @@ Accuracy of the global and pooled models is on a balanced test set drawn from ev
 
     python bench/quality.py --seeds 0,1,2                       # the table in docs/benchmarks.md
     python bench/quality.py --settings skewed --recipes default --seeds 0
+    python bench/quality.py --settings skewed --recipes default --set personal-epochs=5   # a factory training key, every factory
 
 Your own image folders instead of the built-in generator (seeds then vary the models and the training
 order, not the data):
@@ -58,6 +59,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import click
 import numpy as np
 
 from client.config import AgentConfig
@@ -73,6 +75,7 @@ from common.features import FeatureCache, array_keys, features_of
 from common.models import build_model, federated_part, is_pretrained, load_weights, weights_of
 from common.training import TrainConfig, evaluate, set_torch_threads, train
 from server.aggregate import FactoryUpdate, fedavg
+from server.cli import parse_overrides
 from server.config import SECURE_SUM_DP_ROUNDS, FederationConfig
 from server.optimizers import ServerOptimizer
 from server.secure_sum import default_threshold
@@ -90,12 +93,33 @@ class Recipe:
     server_momentum: float = 0.0
     proximal_mu: float = 0.0
     lr_schedule: str = "constant"
+    settings: tuple[tuple[str, object], ...] = ()  # factory training keys set with --set (`with_settings`)
 
     def federation(self, seed: int) -> FederationConfig:
         """The run configuration this recipe is (what `fedforge run --set ...` would submit)."""
+        training = TrainConfig(epochs=self.local_epochs, lr=self.lr, proximal_mu=self.proximal_mu)
+        if self.settings:
+            training = TrainConfig.from_run_config({**training.to_run_config(), **dict(self.settings)}, seed=training.seed)
         return FederationConfig(num_server_rounds=self.rounds, architecture=self.architecture, seed=seed, server_optimizer=self.server_optimizer,
                                 server_lr=self.server_lr, server_momentum=self.server_momentum, lr_schedule=self.lr_schedule,
-                                training=TrainConfig(epochs=self.local_epochs, lr=self.lr, proximal_mu=self.proximal_mu))
+                                training=training)
+
+    def with_settings(self, settings: dict[str, object]) -> Recipe:
+        """The recipe with factory training keys of the run config set (`--set personal-epochs=5`), checked now.
+
+        Only keys a factory trains with: the recipe's own (rounds, local epochs, learning rate, server optimiser) are what
+        the pooled and local-only baselines are trained with too, so they are chosen with --recipes."""
+        settable = set(TrainConfig.run_config_defaults()) - SET_BY_RECIPE
+        recipes_own = sorted(set(settings) & SET_BY_RECIPE)
+        if recipes_own:
+            raise ValueError(f"--set {', '.join(recipes_own)}: the recipe's, which the pooled and local-only baselines train with too; "
+                             "choose a recipe with --recipes")
+        unknown = sorted(set(settings) - settable)
+        if unknown:
+            raise ValueError(f"--set {', '.join(unknown)}: not a factory training key this bench can set; one of {', '.join(sorted(settable))}")
+        recipe = replace(self, settings=tuple(sorted(settings.items())))
+        recipe.federation(0)  # a value of the wrong type raises ValueError naming its key
+        return recipe
 
 
 RECIPES = {
@@ -108,6 +132,7 @@ RECIPES = {
     "cnn-m": Recipe("cnn-small, FedAvgM 0.7 24x1", "cnn-small", rounds=24, local_epochs=1, server_optimizer="fedavgm", server_momentum=0.7),
 }
 
+SET_BY_RECIPE = {"local-epochs", "lr", "proximal-mu"}  # the baselines train with these as the recipe says
 SETTINGS = {"iid-ish": (3, 1.0), "skewed": (5, 0.1)}
 PROXY_SIZE = FederationConfig.proxy_size  # the run's default proxy set: what the server generates for the demo
 
@@ -207,13 +232,14 @@ class Bench:
         """The federation: returns the global model's accuracy per round, seconds of training, and each factory's served accuracy."""
         weights = weights_of(self.model(recipe.architecture, self.seed))
         optimizer = ServerOptimizer(recipe.server_optimizer, recipe.server_lr, recipe.server_momentum)
-        per_round, train_seconds = [], 0.0
+        per_round, train_seconds, subspace_dims = [], 0.0, None
         for r in range(1, recipe.rounds + 1):
             updates = []
             for i, trainer in enumerate(self.trainers):
                 local = trainer.train(weights, self.config(recipe, r), r, run_id=f"bench-{recipe.name}", public=self.public,
                                       noise_holders=self.noise_holders)
                 train_seconds += local.metrics["train-seconds"]
+                subspace_dims = local.privacy.get("dp-subspace-dims")
                 updates.append(FactoryUpdate(f"f{i}", i, local.weights, local.examples))
             weights = optimizer.step(weights, fedavg(updates, like=weights))
             per_round.append(self.accuracy(recipe.architecture, weights, self.test))
@@ -228,7 +254,8 @@ class Bench:
                                             trainer.held_out_hits(recipe.architecture, personal, request))
             served.append(self.accuracy(recipe.architecture, weights if clearly else personal, self.factory_tests[i]))
         return {"accuracy": per_round[-1], "per_round": per_round, "served": served, "train_seconds": train_seconds,
-                "payload_values": int(sum(v.size for v in weights.values()))}
+                "payload_values": int(sum(v.size for v in weights.values())),
+                **({"subspace_dims": int(subspace_dims)} if subspace_dims is not None else {})}
 
     def personal_of(self, trainer: FactoryTrainer, recipe: Recipe, weights: OrderedDict) -> OrderedDict:
         """The factory's personal model of the final global model (what its agent keeps after a round with it), with the
@@ -279,7 +306,18 @@ def main() -> None:
     p.add_argument("--classes", default="", help="with --folders: the run's ordered class list (default: the folders' names, sorted)")
     p.add_argument("--channels", type=int, default=1, choices=(1, 3), help="with --folders: 1 reads every image as grey, 3 as RGB (the run's channels)")
     p.add_argument("--image-size", type=int, default=0, help="with --folders: the run's image-size (default: the run config's)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a factory training key of the run config for every recipe, e.g. --set personal-epochs=5 (repeatable)")
     a = p.parse_args()
+    try:
+        overrides = parse_overrides(tuple(a.overrides))
+        recipes = {key: RECIPES[key].with_settings(overrides) for key in a.recipes.split(",")}
+    except KeyError as exc:
+        p.error(f"--recipes: unknown recipe {exc}; one of {', '.join(sorted(RECIPES))}")
+    except click.BadParameter as exc:
+        p.error(exc.format_message())
+    except ValueError as exc:
+        p.error(str(exc))
     if (a.channels != 1 or a.image_size) and not a.folders:
         p.error("--channels and --image-size apply to --folders (the built-in generator draws grey images at the run's default size)")
     set_torch_threads(a.threads)
@@ -294,12 +332,13 @@ def main() -> None:
     for setting in a.settings.split(","):
         factories, alpha = (len(folders.factories), 0.0) if folders else SETTINGS[setting]
         for key in a.recipes.split(","):
-            recipe = RECIPES[key]
+            recipe = recipes[key]
             for seed in map(int, a.seeds.split(",")):
                 t0 = time.perf_counter()
                 bench = Bench(seed, factories, alpha, a.train_size, workdir, key, folders=folders, channels=a.channels, image_size=a.image_size)
                 fed, base = bench.federate(recipe), bench.pooled_and_local(recipe)
-                row = {"setting": setting, "recipe": recipe.name, "seed": seed, **fed, **base, "seconds": time.perf_counter() - t0}
+                row = {"setting": setting, "recipe": recipe.name, "seed": seed, **fed, **base, "seconds": time.perf_counter() - t0,
+                       **({"set": overrides} if overrides else {})}
                 if a.dp and key == a.recipes.split(",")[0]:
                     dp_recipe = replace(recipe, name=recipe.name + " DP", rounds=a.dp_rounds or (SECURE_SUM_DP_ROUNDS if a.dp_secure_sum else recipe.rounds))
                     dp_bench = Bench(seed, factories, alpha, a.train_size, workdir, key, dp_epsilon=8.0, rounds=dp_recipe.rounds, folders=folders,
@@ -309,9 +348,13 @@ def main() -> None:
                     dp = dp_bench.federate(dp_recipe)
                     # the personal model never leaves its factory, so it is trained without DP: what the line gets under DP
                     row["dp_accuracy"], row["dp_served"] = dp["accuracy"], dp["served"]
+                    row["dp_subspace_dims"] = dp.get("subspace_dims", 0)  # 0: DP-SGD trained the whole head
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print()
+    if overrides:
+        print("Set for every factory: " + ", ".join(f"{k} = {v}" for k, v in sorted(overrides.items())))
+        print()
     print("| setting | recipe | global | pooled | global/pooled | served > local at every factory | served vs local: better / tied "
           "(at 1.000) / worse | served - local (min) | DP global | DP served - served (mean, min) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")

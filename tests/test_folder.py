@@ -161,13 +161,21 @@ def test_the_quality_bench_compares_on_your_own_folders(tmp_path):
     per_factory = [int(v.rstrip("*")) for v in gained.strip("|").split("|")[3].split()]  # served - local in test images, per factory
     assert len(per_factory) == 2 and sum(v > 0 for v in per_factory) == better and sum(v < 0 for v in per_factory) == worse, gained
 
+    assert '"dp_subspace_dims": 19' in run.stdout  # the run's 128 directions, capped by the 20 public images' rank
+
     # factories that share the secure sum's noise, as a secure round of 2 would let them: the default threshold 2, no colluder;
-    # and the images read as RGB at another size (a colour line's run config)
+    # the images read as RGB at another size (a colour line's run config); factory training keys set for the run
     run = subprocess.run([sys.executable, str(bench), "--folders", str(tmp_path / "root"), "--recipes", "default", "--seeds", "0",
                           "--workdir", str(tmp_path / "work"), "--threads", "1", "--dp", "--dp-secure-sum", "--dp-rounds", "2",
-                          "--channels", "3", "--image-size", "48"], capture_output=True, text=True, timeout=600, check=False)
+                          "--channels", "3", "--image-size", "48", "--set", "public-subspace=8", "--set", "personal-epochs=0"],
+                         capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     assert '"dp_rounds": 2, "dp_noise_holders": 2' in run.stdout and "read as RGB at 48 px" in run.stdout
+    assert '"dp_subspace_dims": 8' in run.stdout and "Set for every factory: personal-epochs = 0, public-subspace = 8" in run.stdout
+    for bad, says in (("lr=0.1", "choose a recipe with --recipes"), ("public-subspace=many", "'public-subspace' must be a int"),
+                      ("no-such-key=1", "not a factory training key")):
+        refused = subprocess.run([sys.executable, str(bench), "--set", bad], capture_output=True, text=True, timeout=120, check=False)
+        assert refused.returncode == 2 and says in refused.stderr, refused.stderr[-2000:]
 
     (tmp_path / "root" / "plant-b" / "test").rename(tmp_path / "elsewhere")
     run = subprocess.run([sys.executable, str(bench), "--folders", str(tmp_path / "root")], capture_output=True, text=True, timeout=120, check=False)
