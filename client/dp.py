@@ -160,9 +160,27 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Dat
     return private_model, private_opt, criterion, private_loader
 
 
-def train_private(model: nn.Module, data: ImageSet, cfg: TrainConfig, plan: DPPlan) -> TrainResult:
+class LogitShift(nn.Module):
+    """``module(x) + shift``: trains ``module`` on shifted logits (logit adjustment) while its own outputs stay plain.
+
+    The shift is a buffer, not a parameter: DP-SGD clips, noises and accounts for ``module``'s parameters only, and it must
+    come from data already released (a DP factory's noisy class counts), or it would leak what DP protects."""
+
+    def __init__(self, module: nn.Module, shift: torch.Tensor) -> None:
+        super().__init__()
+        self.module = module
+        self.register_buffer("shift", shift.detach().float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x) + self.shift
+
+
+def train_private(model: nn.Module, data: ImageSet, cfg: TrainConfig, plan: DPPlan, logit_shift: torch.Tensor | None = None) -> TrainResult:
     """Train ``model`` (a plain module; its weights change in place) with DP-SGD for ``cfg.epochs``: Poisson batches at the
-    plan's rate, for the plan's steps (`poisson_loader`), averaged by the plan's count (`average_by_plan`)."""
+    plan's rate, for the plan's steps (`poisson_loader`), averaged by the plan's count (`average_by_plan`). With
+    ``logit_shift`` it trains on ``logits + logit_shift`` (`LogitShift`)."""
+    if logit_shift is not None:
+        model = LogitShift(model, logit_shift)
     loader = poisson_loader(ImageSetDataset(data), plan.sample_rate)
     private_model, private_opt, criterion, private_loader = make_private(
         model, make_optimizer(model, cfg), loader, plan.noise_multiplier, plan.max_grad_norm, plan.grad_sample_mode, poisson_sampling=False
@@ -172,7 +190,7 @@ def train_private(model: nn.Module, data: ImageSet, cfg: TrainConfig, plan: DPPl
 
 
 def noisy_gradient_step(model: nn.Module, data: ImageSet, lr: float, noise_multiplier: float, max_grad_norm: float,
-                        chunk: int = 512, normaliser: int | None = None) -> TrainResult:
+                        chunk: int = 512, normaliser: int | None = None, logit_shift: torch.Tensor | None = None) -> TrainResult:
     """One DP gradient step over the whole of ``data``: the Gaussian mechanism on the sum of per-example gradients.
 
     Each example's gradient (at the weights ``model`` holds) is clipped to ``max_grad_norm``; their sum gets Gaussian
@@ -182,7 +200,8 @@ def noisy_gradient_step(model: nn.Module, data: ImageSet, lr: float, noise_multi
     shares the secure sum's noise sends (``--dp-secure-sum``, docs/security.md): its weighted update, summed with the
     others' in the secure sum, is exactly the noisy sum of clipped gradients, one DP-SGD step over every factory's images
     with the noise of all of them. Per-example gradients come
-    from ``torch.func`` in chunks, so memory stays bounded whatever the split's size.
+    from ``torch.func`` in chunks, so memory stays bounded whatever the split's size. With ``logit_shift`` the loss is on
+    ``logits + logit_shift`` (`LogitShift`).
     """
     from torch.func import functional_call, grad, vmap
 
@@ -193,10 +212,11 @@ def noisy_gradient_step(model: nn.Module, data: ImageSet, lr: float, noise_multi
     fixed = {name: p.detach() for name, p in model.named_parameters() if not p.requires_grad}
     buffers = dict(model.named_buffers())
     model.train()
+    shift = torch.zeros(()) if logit_shift is None else logit_shift.detach().float()
 
     def loss_of(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         logits = functional_call(model, ({**params, **fixed}, buffers), (x.unsqueeze(0),))
-        return F.cross_entropy(logits.float(), y.unsqueeze(0))
+        return F.cross_entropy(logits.float() + shift, y.unsqueeze(0))
 
     per_example = vmap(grad(loss_of), in_dims=(None, 0, 0))
     detached = {name: p.detach() for name, p in trainable.items()}
@@ -213,7 +233,7 @@ def noisy_gradient_step(model: nn.Module, data: ImageSet, lr: float, noise_multi
             total[name] += torch.einsum("i,i...->...", factor, g)
         with torch.no_grad():
             logits = functional_call(model, ({**detached, **fixed}, buffers), (x,)).float()
-            loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
+            loss_sum += float(F.cross_entropy(logits + shift, y, reduction="sum"))
             correct += int((logits.argmax(1) == y).sum())
     generator = _urandom_generator()
     with torch.no_grad():

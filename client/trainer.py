@@ -47,7 +47,7 @@ from common.distill import ProxySet, balanced_predictions, predict_proxy
 from common.features import FeatureCache, FeatureSet, array_keys, cache_path, features_of
 from common.models import build_model, federated_part, is_pretrained, load_weights, weights_of
 from common.tensors import UpdateError, check_like
-from common.training import EvalResult, TrainConfig, TrainResult, evaluate, predict_logits, set_torch_threads, train
+from common.training import EvalResult, TrainConfig, TrainResult, evaluate, predict_logits, prior_adjustment, set_torch_threads, train
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,8 @@ class FactoryTrainer:
         image count: the release is charged before anything trains, once."""
         cfg = train_config_from(config, server_round)
         prep = self.prepare(weights, config, fresh=self.budget is not None)
-        weight = max(1, int(self.class_counts(prep, run_id, server_round).sum())) if self.budget is not None else None
+        released = self.class_counts(prep, run_id, server_round) if self.budget is not None else None
+        weight = max(1, int(released.sum())) if released is not None else None
         t0 = time.perf_counter()
         received = evaluate(prep.trainable, prep.held_out) if len(prep.held_out) else None
         eval_seconds = time.perf_counter() - t0
@@ -241,9 +242,9 @@ class FactoryTrainer:
                 result = train(trainable, prep.train_set, cfg)
             elif secure_sum_step:  # one full-batch step, in the agent's process (a worker group is not needed for one step)
                 result = noisy_gradient_step(trainable, prep.train_set, private_cfg.secure_sum_lr, dp_plan.noise_multiplier, dp_plan.max_grad_norm,
-                                             normaliser=weight)
+                                             normaliser=weight, logit_shift=self._released_prior_shift(prep, private_cfg, released))
             else:
-                result = train_private(trainable, prep.train_set, private_cfg, dp_plan)
+                result = train_private(trainable, prep.train_set, private_cfg, dp_plan, logit_shift=self._released_prior_shift(prep, private_cfg, released))
             if isinstance(trainable, SubspaceHead):  # back to a whole head: what every other site expects
                 prep.trainable.load_state_dict({k: torch.from_numpy(v) for k, v in trainable.fold().items()})
                 trainable = prep.trainable
@@ -315,6 +316,14 @@ class FactoryTrainer:
             tuned = weights_of(head)
             head.load_state_dict({k: torch.from_numpy((v + alone[k]) / 2) for k, v in tuned.items()})
         return head
+
+    @staticmethod
+    def _released_prior_shift(prep: Prepared, cfg: TrainConfig, released: np.ndarray | None) -> torch.Tensor | None:
+        """What a DP head adds to its logits in training (``private-head-logit-adjustment``): tau log(prior) of the class counts
+        this factory released with noise, never of its exact ones (those would leak what DP protects); None for a CNN."""
+        if released is None or not is_pretrained(prep.architecture) or cfg.private_head_logit_adjustment <= 0:
+            return None
+        return prior_adjustment(released, cfg.private_head_logit_adjustment)
 
     def personal_of(self, architecture: str, request: DataRequest, base_weights: OrderedDict[str, np.ndarray],
                     settings: dict[str, Any], public: ProxySet | None = None) -> OrderedDict[str, np.ndarray]:

@@ -89,6 +89,12 @@ class TrainConfig:
     private_head_lr: float = field(default=0.6, metadata=_key("private-head-lr", "learning rate of a head trained with DP-SGD (decayed over rounds "
                                                                                            "like lr, under lr-schedule)"))
     private_head_batch_size: int = field(default=256, metadata=_key("private-head-batch-size", "expected batch of a head trained with DP-SGD"))
+    # DP-SGD clips every example's gradient to the same norm, which caps what a factory's few images of a rare class can teach
+    # and leaves its head leaning to its majority classes; training on logits + tau log(prior), the prior being the class counts
+    # the factory released with noise, takes that lean out (built-in skewed data, epsilon 8: docs/benchmarks.md)
+    private_head_logit_adjustment: float = field(default=1.0, metadata=_key(
+        "private-head-logit-adjustment", "tau of the logit adjustment a head trained with DP-SGD trains with: logits + tau log(the "
+                                         "factory's released class prior); 0 = off"))
     # A factory that shares the secure sum's DP noise (--dp-secure-sum) takes one full-batch DP gradient step per round instead:
     # its step size (30 rounds, server momentum 0.7: 2, 3 and 4 within a point of each other on three data sets; docs/benchmarks.md)
     secure_sum_lr: float = field(default=3.0, metadata=_key(
@@ -114,6 +120,8 @@ class TrainConfig:
                              f"(got {self.personal_public_confidence}, {self.personal_public_rare})")
         if self.private_head_optimizer not in ("adamw", "sgd"):
             raise ValueError(f"private-head-optimizer must be 'adamw' or 'sgd', got {self.private_head_optimizer!r}")
+        if self.private_head_logit_adjustment < 0:
+            raise ValueError(f"private-head-logit-adjustment must be >= 0, got {self.private_head_logit_adjustment}")
         if self.private_head_lr <= 0 or self.private_head_batch_size < 1 or self.public_subspace < 0 or not 0 <= self.public_subspace_whitening <= 1:
             raise ValueError(f"private-head-lr must be > 0, private-head-batch-size >= 1, public-subspace >= 0 and public-subspace-whitening in "
                              f"[0, 1] (got {self.private_head_lr}, {self.private_head_batch_size}, {self.public_subspace}, "
@@ -220,10 +228,16 @@ def label_prior_adjustment(labels: np.ndarray, classes: int, tau: float) -> torc
     so the averaged model is not dragged towards each factory's label mix. Predictions use the plain
     logits. 0 leaves the loss unchanged.
     """
+    return prior_adjustment(np.bincount(labels.astype(np.int64), minlength=classes), tau)
+
+
+def prior_adjustment(counts: np.ndarray, tau: float) -> torch.Tensor:
+    """tau * log(prior) of class ``counts`` (add-one smoothed; a noisy release's negative counts read as 0)."""
+    counts = np.asarray(counts, dtype=np.float64)
     if tau <= 0:
-        return torch.zeros(classes)
-    counts = np.bincount(labels.astype(np.int64), minlength=classes).astype(np.float64) + 1.0
-    return torch.from_numpy(tau * np.log(counts / counts.sum())).float()
+        return torch.zeros(len(counts))
+    smoothed = np.maximum(counts, 0.0) + 1.0
+    return torch.from_numpy(tau * np.log(smoothed / smoothed.sum())).float()
 
 
 def proximal_term(model: nn.Module, anchor: list[torch.Tensor]) -> torch.Tensor:
