@@ -169,7 +169,8 @@ class LogitShift(nn.Module):
     def __init__(self, module: nn.Module, shift: torch.Tensor) -> None:
         super().__init__()
         self.module = module
-        self.register_buffer("shift", shift.detach().float().clone())
+        device = next(module.parameters()).device
+        self.register_buffer("shift", shift.detach().float().to(device).clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.module(x) + self.shift
@@ -212,7 +213,8 @@ def noisy_gradient_step(model: nn.Module, data: ImageSet, lr: float, noise_multi
     fixed = {name: p.detach() for name, p in model.named_parameters() if not p.requires_grad}
     buffers = dict(model.named_buffers())
     model.train()
-    shift = torch.zeros(()) if logit_shift is None else logit_shift.detach().float()
+    device = next(iter(trainable.values())).device if trainable else torch.device("cpu")
+    shift = torch.zeros((), device=device) if logit_shift is None else logit_shift.detach().float().to(device)
 
     def loss_of(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         logits = functional_call(model, ({**params, **fixed}, buffers), (x.unsqueeze(0),))
