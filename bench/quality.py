@@ -232,14 +232,13 @@ class Bench:
         """The federation: returns the global model's accuracy per round, seconds of training, and each factory's served accuracy."""
         weights = weights_of(self.model(recipe.architecture, self.seed))
         optimizer = ServerOptimizer(recipe.server_optimizer, recipe.server_lr, recipe.server_momentum)
-        per_round, train_seconds, subspace_dims = [], 0.0, None
+        per_round, train_seconds = [], 0.0
         for r in range(1, recipe.rounds + 1):
             updates = []
             for i, trainer in enumerate(self.trainers):
                 local = trainer.train(weights, self.config(recipe, r), r, run_id=f"bench-{recipe.name}", public=self.public,
                                       noise_holders=self.noise_holders)
                 train_seconds += local.metrics["train-seconds"]
-                subspace_dims = local.privacy.get("dp-subspace-dims")
                 updates.append(FactoryUpdate(f"f{i}", i, local.weights, local.examples))
             weights = optimizer.step(weights, fedavg(updates, like=weights))
             per_round.append(self.accuracy(recipe.architecture, weights, self.test))
@@ -255,7 +254,7 @@ class Bench:
             served.append(self.accuracy(recipe.architecture, weights if clearly else personal, self.factory_tests[i]))
         return {"accuracy": per_round[-1], "per_round": per_round, "served": served, "train_seconds": train_seconds,
                 "payload_values": int(sum(v.size for v in weights.values())),
-                **({"subspace_dims": int(subspace_dims)} if subspace_dims is not None else {})}
+                **({"subspace_dims": int(local.privacy["dp-subspace-dims"])} if "dp-subspace-dims" in local.privacy else {})}
 
     def personal_of(self, trainer: FactoryTrainer, recipe: Recipe, weights: OrderedDict) -> OrderedDict:
         """The factory's personal model of the final global model (what its agent keeps after a round with it), with the
