@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """GPU check for the `device` machine: backbone feature extraction on the GPU against the CPU (alone, and in a factory's
-first round), and the nccl DDP/FSDP worker groups, with and without DP, fp32 and bf16.
+first round, and a DP factory's round), and the nccl DDP/FSDP worker groups, with and without DP, fp32 and bf16.
 
 One call, a few minutes; prints one JSON line per measurement and a summary. CI never runs this (no GPU there); run it
 when a GPU machine is lent:
@@ -118,6 +118,29 @@ def check_agent_round(on_gpu: bool) -> list[dict]:
                   "max_abs_head_diff": diff, "ok": diff < 1e-3})]
 
 
+def check_dp_agent_round() -> list[dict]:
+    """A DP factory's first pretrained-family round with its features on the GPU (--feature-device auto): the released
+    class counts, the logit-adjusted DP-SGD head (`client.dp.LogitShift`) and the ledger's charge, end to end."""
+    from client.trainer import FactoryTrainer
+    from common.models import weights_of
+
+    config = {"architecture": "effnet-lite0", "local-epochs": 2, "batch-size": 16}
+    weights = weights_of(build_model("effnet-lite0", 6, seed=1))
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = FactoryTrainer(AgentConfig(factory_id="gpu-check-dp", train_size=600, state_dir=tmp, torch_threads=os.cpu_count() or 1,
+                                             feature_device="auto", dp=True, dp_epsilon=8.0, dp_planned_rounds=5))
+        t0 = time.perf_counter()
+        out = trainer.train(weights, config, 1, run_id="gpu-check-dp")
+        seconds = time.perf_counter() - t0
+        trainer.close()
+    finite = all(bool(np.isfinite(v).all()) for v in out.weights.values())
+    changed = any(not np.array_equal(out.weights[k], weights[k]) for k in out.weights)
+    spent = out.privacy.get("epsilon-spent", float("nan"))
+    return [emit({"dp_agent_round": "effnet-lite0, 600 images, features on the GPU, DP head", "seconds": round(seconds, 2),
+                  "epsilon_spent": round(spent, 4), "examples": out.examples, "train_loss": round(out.metrics.get("train-loss", float("nan")), 4),
+                  "ok": finite and changed and 0 < spent <= 8.0})]
+
+
 def check_worker_groups(args: argparse.Namespace, on_gpu: bool) -> list[dict]:
     world = torch.cuda.device_count() if on_gpu else 2
     cfg = AgentConfig(factory_id="gpu-check", train_size=args.images, torch_threads=4)
@@ -164,7 +187,7 @@ def main() -> int:
         return 2
     emit({"gpus": torch.cuda.device_count(), "name": torch.cuda.get_device_name(0) if on_gpu else "cpu", "torch": torch.__version__,
           "cpu_threads": os.cpu_count()})
-    rows = check_features(args, on_gpu) + check_agent_round(on_gpu) + check_worker_groups(args, on_gpu)
+    rows = check_features(args, on_gpu) + check_agent_round(on_gpu) + check_dp_agent_round() + check_worker_groups(args, on_gpu)
     ok = all(r["ok"] for r in rows if "ok" in r)
     print("GPU check", "passed" if ok else "FAILED", flush=True)
     return 0 if ok else 1
