@@ -37,6 +37,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +48,7 @@ SOCKET_ENV = "FEDFORGE_CLIENTAPP_SOCKET"
 OWN_PACKAGES = ("client", "common", "server")  # FedForge's top-level packages: what a FAB ships
 MAX_REQUEST_BYTES = 4 << 20  # argv + environment; a real one is a few KiB
 REQUEST_TIMEOUT_S = 5.0
+STOP_GRACE_SECONDS = 30.0  # after a SIGTERM, how long the server waits for its SuperNode to exit before leaving without clean-up
 # What every ClientApp process imports before FedForge's own modules (measured with -X importtime).
 PRELOAD = (
     "flwr.supernode.runtime.run_clientapp",
@@ -136,10 +138,15 @@ def serve(path: Path, parent_pid: int, entry: Callable[[], object] | None = None
 
     Each child calls ``entry`` (Flower's ``flwr_clientapp`` after `preload`) with the launcher's argv. Why the server
     deletes the SuperNode's directory: a SuperNode that is killed (SIGKILL, the OOM killer) runs no exit handler, and
-    its launchers would be left in the temporary directory, one directory per start."""
+    its launchers would be left in the temporary directory, one directory per start. A SIGTERM (stopping a SuperNode
+    signals its whole process group) therefore does not end the server at once: it stops taking launches (launchers
+    fall back to a fresh process) and waits up to ``STOP_GRACE_SECONDS`` for the SuperNode to go, which may be by a
+    later SIGKILL or Flower's forced exit, neither of which runs the SuperNode's own clean-up."""
     entry = entry or preload()
     _forget_own_packages()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel; their launchers report
+    stop_requested: list[float] = []
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: stop_requested.append(time.monotonic()))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
@@ -148,6 +155,14 @@ def serve(path: Path, parent_pid: int, entry: Callable[[], object] | None = None
     listener.listen(64)
     log.info("warm ClientApp server ready on %s", path)
     while os.getppid() == parent_pid:
+        if stop_requested:
+            if listener.fileno() != -1:
+                listener.close()
+                log.info("warm ClientApp server stopping: waiting for its SuperNode to exit")
+            if time.monotonic() - stop_requested[0] > STOP_GRACE_SECONDS:
+                return  # the SuperNode outlived its SIGTERM: it still uses the directory
+            time.sleep(0.1)
+            continue
         readable, _, _ = select.select([listener], [], [], 1.0)
         if not readable:
             continue
@@ -214,6 +229,7 @@ def _run_child(conn: socket.socket, request: dict[str, object], fds: list[int], 
     status = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         for target, fd in zip((0, 1, 2), fds):
             os.dup2(fd, target)
             os.close(fd)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -120,7 +121,6 @@ def test_without_a_server_the_launcher_starts_a_fresh_process(warm, tmp_path):
 
 
 def test_a_malformed_request_is_refused_and_the_server_keeps_serving(warm, tmp_path):
-    import socket
 
     launcher, env, server = warm
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -159,6 +159,34 @@ def test_the_server_exits_with_its_supernode_and_deletes_its_launchers_even_when
     _wait_for(lambda: not Path(f"/proc/{server_pid}").exists() or "Z" in Path(f"/proc/{server_pid}/stat").read_text().rsplit(")", 1)[1][:3],
               "the fork server to exit after its SuperNode")
     assert not (tmp_path / "launchers").exists()  # a SIGKILLed SuperNode runs no atexit handler; the server cleans up
+
+
+def test_a_sigtermed_server_stops_taking_launches_and_still_deletes_the_launchers_of_a_supernode_killed_after_it(tmp_path):
+    """Stopping a SuperNode SIGTERMs its process group, the fork server too; the SuperNode may then end by Flower's forced
+    exit or a SIGKILL, which run no atexit handler. The server outlives its SIGTERM until then, taking no launches."""
+    socket_path = tmp_path / "warm.sock"
+    (tmp_path / "launchers").mkdir()
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, signal, subprocess, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a SuperNode still busy with its exit handlers
+        code = {SERVER!r}.format(root={str(ROOT)!r}, socket={str(socket_path)!r}, parent=os.getpid())
+        server = subprocess.Popen([sys.executable, "-c", code])
+        print(server.pid, flush=True)
+        time.sleep(600)
+    """)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    server_pid = int(parent.stdout.readline())
+    _wait_for(socket_path.exists, "the fork server's socket")
+    os.killpg(parent.pid, signal.SIGTERM)
+    time.sleep(1.0)
+    assert "Z" not in Path(f"/proc/{server_pid}/stat").read_text().rsplit(")", 1)[1][:3]  # still running, waiting for its SuperNode
+    with pytest.raises(ConnectionRefusedError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(str(socket_path))  # no more launches: a launcher falls back to a fresh process
+    assert (tmp_path / "launchers").exists()  # the SuperNode still runs and still needs them
+    parent.kill()
+    parent.wait()
+    _wait_for(lambda: not Path(f"/proc/{server_pid}").exists() or "Z" in Path(f"/proc/{server_pid}/stat").read_text().rsplit(")", 1)[1][:3],
+              "the fork server to exit after its SuperNode")
+    assert not (tmp_path / "launchers").exists()
 
 
 def test_flower_object_pulls_start_backing_off_at_50_ms_and_still_succeed(monkeypatch):
