@@ -48,6 +48,7 @@ Class names are the folders' (any factory may lack any class); `--classes a,b,c`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -320,13 +321,20 @@ def main() -> None:
     if (a.channels != 1 or a.image_size) and not a.folders:
         p.error("--channels and --image-size apply to --folders (the built-in generator draws grey images at the run's default size)")
     set_torch_threads(a.threads)
-    workdir = Path(a.workdir or tempfile.mkdtemp(prefix="fedforge-quality-"))
     folders = Folders.at(a.folders, a.classes) if a.folders else None
     if folders:
         a.settings = "folders"
         size = a.image_size or FederationConfig.image_size
         print(f"{len(folders.factories)} factories from {a.folders}, classes {list(folders.classes)}, read as "
               f"{'RGB' if a.channels == 3 else 'grey'} at {size} px", flush=True)
+    # a temporary working directory (its feature caches hold hundreds of MB) goes when the bench ends, however it ends
+    with contextlib.nullcontext(a.workdir) if a.workdir else tempfile.TemporaryDirectory(prefix="fedforge-quality-") as workdir:
+        rows = run_all(a, recipes, overrides, folders, Path(workdir))
+    print_tables(a, rows, overrides)
+
+
+def run_all(a: argparse.Namespace, recipes: dict[str, Recipe], overrides: dict[str, object], folders: Folders | None, workdir: Path) -> list[dict]:
+    """Every setting x recipe x seed of the command line, one JSON line each as it finishes."""
     rows = []
     for setting in a.settings.split(","):
         factories, alpha = (len(folders.factories), 0.0) if folders else SETTINGS[setting]
@@ -350,6 +358,11 @@ def main() -> None:
                     row["dp_subspace_dims"] = dp.get("subspace_dims", 0)  # 0: DP-SGD trained the whole head
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+    return rows
+
+
+def print_tables(a: argparse.Namespace, rows: list[dict], overrides: dict[str, object]) -> None:
+    """The issue's table (means over the seeds) and each factory's served - local-only in test images."""
     print()
     if overrides:
         print("Set for every factory: " + ", ".join(f"{k} = {v}" for k, v in sorted(overrides.items())))

@@ -132,6 +132,7 @@ def test_the_quality_bench_compares_on_your_own_folders(tmp_path):
     """`bench/quality.py --folders --dp`: the issue's comparison (global, pooled, served vs local, and under DP the global
     model and what each factory serves, trained within the subspace of ROOT/proxy's public images) on image folders with
     other class names and a class one factory lacks; a wrong layout is refused naming what is missing."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -164,12 +165,16 @@ def test_the_quality_bench_compares_on_your_own_folders(tmp_path):
     assert '"dp_subspace_dims": 19' in run.stdout  # the run's 128 directions, capped by the 20 public images' rank
 
     # factories that share the secure sum's noise, as a secure round of 2 would let them: the default threshold 2, no colluder;
-    # the images read as RGB at another size (a colour line's run config); factory training keys set for the run
+    # the images read as RGB at another size (a colour line's run config); factory training keys set for the run; no --workdir:
+    # the temporary one (feature caches, factory state) is gone when the bench ends
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
     run = subprocess.run([sys.executable, str(bench), "--folders", str(tmp_path / "root"), "--recipes", "default", "--seeds", "0",
-                          "--workdir", str(tmp_path / "work"), "--threads", "1", "--dp", "--dp-secure-sum", "--dp-rounds", "2",
+                          "--threads", "1", "--dp", "--dp-secure-sum", "--dp-rounds", "2",
                           "--channels", "3", "--image-size", "48", "--set", "public-subspace=8", "--set", "personal-epochs=0"],
-                         capture_output=True, text=True, timeout=600, check=False)
+                         capture_output=True, text=True, timeout=600, check=False, env={**os.environ, "TMPDIR": str(tmpdir)})
     assert run.returncode == 0, run.stderr[-3000:]
+    assert not [p.name for p in tmpdir.iterdir() if p.name.startswith("fedforge-quality-")]
     assert '"dp_rounds": 2, "dp_noise_holders": 2' in run.stdout and "read as RGB at 48 px" in run.stdout
     assert '"dp_subspace_dims": 8' in run.stdout and "Set for every factory: personal-epochs = 0, public-subspace = 8" in run.stdout
     for bad, says in (("lr=0.1", "choose a recipe with --recipes"), ("public-subspace=many", "'public-subspace' must be a int"),
@@ -178,5 +183,7 @@ def test_the_quality_bench_compares_on_your_own_folders(tmp_path):
         assert refused.returncode == 2 and says in refused.stderr, refused.stderr[-2000:]
 
     (tmp_path / "root" / "plant-b" / "test").rename(tmp_path / "elsewhere")
-    run = subprocess.run([sys.executable, str(bench), "--folders", str(tmp_path / "root")], capture_output=True, text=True, timeout=120, check=False)
+    run = subprocess.run([sys.executable, str(bench), "--folders", str(tmp_path / "root")], capture_output=True, text=True, timeout=120, check=False,
+                         env={**os.environ, "TMPDIR": str(tmpdir)})
     assert run.returncode != 0 and "plant-b/test" in run.stderr + run.stdout
+    assert not [p.name for p in tmpdir.iterdir() if p.name.startswith("fedforge-quality-")]  # nor by a refused command
