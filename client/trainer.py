@@ -239,7 +239,7 @@ class FactoryTrainer:
             load_weights(prep.model, new)
         else:
             if dp_plan is None:
-                result = train(trainable, prep.train_set, cfg)
+                result = train(trainable, prep.train_set, cfg.for_head() if is_pretrained(prep.architecture) else cfg)
             elif secure_sum_step:  # one full-batch step, in the agent's process (a worker group is not needed for one step)
                 result = noisy_gradient_step(trainable, prep.train_set, private_cfg.secure_sum_lr, dp_plan.noise_multiplier, dp_plan.max_grad_norm,
                                              normaliser=weight, logit_shift=self._released_prior_shift(prep, private_cfg, released))

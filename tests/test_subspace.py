@@ -178,6 +178,34 @@ def test_a_dp_head_trains_on_logits_adjusted_by_the_prior_of_its_released_counts
     shared.close()
 
 
+def test_without_dp_the_head_trains_with_head_logit_adjustment_and_a_cnn_with_logit_adjustment(tmp_path, monkeypatch):
+    """The trainer's choice of tau: the pretrained head without DP takes head-logit-adjustment (default 1), a cnn-* model
+    logit-adjustment (default 0); the personal fine-tune trains on plain cross-entropy either way."""
+    import client.trainer as trainer_module
+    from common.training import train
+
+    taus = []
+
+    def spy(model, data, cfg, *args, **kwargs):
+        taus.append(cfg.logit_adjustment)
+        return train(model, data, cfg, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "train", spy)
+    trainer = _trainer(tmp_path, "plain", dp=False)
+    head = weights_of(build_model(ARCH, 6, seed=1))
+    trainer.train(head, {**CONFIG, "personal-epochs": 0}, 1, run_id="r")
+    trainer.train(head, {**CONFIG, "personal-epochs": 0, "head-logit-adjustment": 0.5, "logit-adjustment": 2.0}, 2, run_id="r")
+    cnn = {"architecture": "cnn-small", "local-epochs": 1, "personal-epochs": 0}
+    trainer.train(weights_of(build_model("cnn-small", 6, seed=1)), cnn, 3, run_id="r")
+    trainer.train(weights_of(build_model("cnn-small", 6, seed=1)), {**cnn, "logit-adjustment": 2.0}, 4, run_id="r")
+    assert taus == [1.0, 0.5, 0.0, 2.0]
+    taus.clear()
+    trainer.train(head, {**CONFIG, "personal-epochs": 1, "local-only-epochs": 1}, 5, run_id="r")
+    trainer.wait_personal()
+    assert taus[0] == 1.0 and taus[1:] and set(taus[1:]) == {0.0}, taus  # the round, then the personal model's trainings
+    trainer.close()
+
+
 def test_logit_adjusted_dp_sgd_leans_less_to_the_majority_class():
     """On features where one class holds 90% of the images, DP-SGD on logits + log(prior) predicts the rare classes more often
     on a balanced test set than DP-SGD on the plain logits; the module it returns computes plain logits."""
