@@ -212,9 +212,11 @@ def install_fast_clientapp(mode: str = "warm") -> Path:
         from client import warm_clientapp
 
         socket_path = directory / "warm.sock"
+        # its own session: a SIGKILL to the SuperNode's process group (a supervisor reaping what its SuperNode left) does not
+        # reach it, so it outlives the SuperNode by the moment it takes to delete the directory (`warm_clientapp.serve`)
         server = subprocess.Popen([sys.executable, "-m", "client.warm_clientapp", "--socket", str(socket_path),
                                    "--parent-pid", str(os.getpid()),
-                                   "--remove-on-exit", str(directory)])
+                                   "--remove-on-exit", str(directory)], start_new_session=True)
         atexit.register(server.terminate)
         os.environ[warm_clientapp.SOCKET_ENV] = str(socket_path)
         launcher = warm_clientapp.write_launcher(directory, direct)

@@ -189,6 +189,28 @@ def test_a_sigtermed_server_stops_taking_launches_and_still_deletes_the_launcher
     assert not (tmp_path / "launchers").exists()
 
 
+def test_a_supernode_stopped_like_fedforge_client_stops_it_leaves_no_launcher_directory(tmp_path):
+    """`common.procs.stop_process`, as `fedforge client` and the tests stop a SuperNode: SIGTERM its process group, and once
+    it has exited SIGKILL the group. A SuperNode that ends by Flower's forced exit (os._exit, no atexit) leaves its launcher
+    directory to the warm server, which must therefore not be in that group."""
+    from common.procs import stop_process
+
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, signal, sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from client.supernode import install_fast_clientapp
+        install_fast_clientapp("warm")
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # Flower's forced exit: no atexit handler runs
+        print(os.environ["PATH"].split(os.pathsep)[0], flush=True)
+        time.sleep(600)
+    """)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    directory = Path(parent.stdout.readline().strip())
+    assert directory.name.startswith("fedforge-clientapp-")
+    _wait_for((directory / "warm.sock").exists, "the warm server's socket", timeout=120)
+    stop_process(parent)
+    _wait_for(lambda: not directory.exists(), "the launcher directory to go")
+
+
 def test_flower_object_pulls_start_backing_off_at_50_ms_and_still_succeed(monkeypatch):
     from flwr.supercore.inflatable import inflatable_utils
     from flwr.supercore.inflatable.inflatable_utils import ObjectUnavailableError
