@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from client import warm_clientapp
+from common.procs import _alive
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,8 +99,7 @@ def test_terminating_the_launcher_terminates_its_clientapp(warm, tmp_path):
     child = json.loads(proc.stdout.readline())["pid"]
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) != 0
-    _wait_for(lambda: not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1][:3],
-              "the ClientApp to stop")
+    _wait_for(lambda: not _alive(child), "the ClientApp to stop")
 
 
 def test_a_killed_launcher_takes_its_clientapp_with_it(warm, tmp_path):
@@ -108,8 +108,7 @@ def test_a_killed_launcher_takes_its_clientapp_with_it(warm, tmp_path):
     child = json.loads(proc.stdout.readline())["pid"]
     proc.kill()
     proc.wait()
-    _wait_for(lambda: not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1][:3],
-              "the orphaned ClientApp to stop")
+    _wait_for(lambda: not _alive(child), "the orphaned ClientApp to stop")
 
 
 def test_without_a_server_the_launcher_starts_a_fresh_process(warm, tmp_path):
@@ -145,20 +144,28 @@ def test_the_server_exits_with_its_supernode_and_deletes_its_launchers_even_when
     socket_path = tmp_path / "warm.sock"
     (tmp_path / "launchers").mkdir()
     (tmp_path / "launchers" / "flwr-clientapp").write_text("#!/bin/sh\n")
+    parent, server_pid = _supernode_with_server(socket_path)
+    parent.kill()
+    parent.wait()
+    _wait_for(lambda: not _alive(server_pid), "the fork server to exit after its SuperNode")
+    assert not (tmp_path / "launchers").exists()  # a SIGKILLed SuperNode runs no atexit handler; the server cleans up
+
+
+def _supernode_with_server(socket_path: Path, ignore_sigterm: bool = False, **popen) -> tuple[subprocess.Popen, int]:
+    """A stand-in SuperNode that starts the fork server (``SERVER``) as its child; returns it and the server's pid once
+    the server listens. ``ignore_sigterm``: a SuperNode still busy with its exit handlers after a SIGTERM."""
     parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import os, subprocess, sys, time
+        import os, signal, subprocess, sys, time
+        if {ignore_sigterm!r}:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         code = {SERVER!r}.format(root={str(ROOT)!r}, socket={str(socket_path)!r}, parent=os.getpid())
         server = subprocess.Popen([sys.executable, "-c", code])
         print(server.pid, flush=True)
         time.sleep(600)
-    """)], stdout=subprocess.PIPE, text=True)
+    """)], stdout=subprocess.PIPE, text=True, **popen)
     server_pid = int(parent.stdout.readline())
     _wait_for(socket_path.exists, "the fork server's socket")
-    parent.kill()
-    parent.wait()
-    _wait_for(lambda: not Path(f"/proc/{server_pid}").exists() or "Z" in Path(f"/proc/{server_pid}/stat").read_text().rsplit(")", 1)[1][:3],
-              "the fork server to exit after its SuperNode")
-    assert not (tmp_path / "launchers").exists()  # a SIGKILLed SuperNode runs no atexit handler; the server cleans up
+    return parent, server_pid
 
 
 def test_a_sigtermed_server_stops_taking_launches_and_still_deletes_the_launchers_of_a_supernode_killed_after_it(tmp_path):
@@ -166,26 +173,16 @@ def test_a_sigtermed_server_stops_taking_launches_and_still_deletes_the_launcher
     exit or a SIGKILL, which run no atexit handler. The server outlives its SIGTERM until then, taking no launches."""
     socket_path = tmp_path / "warm.sock"
     (tmp_path / "launchers").mkdir()
-    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import os, signal, subprocess, sys, time
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a SuperNode still busy with its exit handlers
-        code = {SERVER!r}.format(root={str(ROOT)!r}, socket={str(socket_path)!r}, parent=os.getpid())
-        server = subprocess.Popen([sys.executable, "-c", code])
-        print(server.pid, flush=True)
-        time.sleep(600)
-    """)], stdout=subprocess.PIPE, text=True, start_new_session=True)
-    server_pid = int(parent.stdout.readline())
-    _wait_for(socket_path.exists, "the fork server's socket")
+    parent, server_pid = _supernode_with_server(socket_path, ignore_sigterm=True, start_new_session=True)
     os.killpg(parent.pid, signal.SIGTERM)
     time.sleep(1.0)
-    assert "Z" not in Path(f"/proc/{server_pid}/stat").read_text().rsplit(")", 1)[1][:3]  # still running, waiting for its SuperNode
+    assert _alive(server_pid)  # still running, waiting for its SuperNode
     with pytest.raises(ConnectionRefusedError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(str(socket_path))  # no more launches: a launcher falls back to a fresh process
     assert (tmp_path / "launchers").exists()  # the SuperNode still runs and still needs them
     parent.kill()
     parent.wait()
-    _wait_for(lambda: not Path(f"/proc/{server_pid}").exists() or "Z" in Path(f"/proc/{server_pid}/stat").read_text().rsplit(")", 1)[1][:3],
-              "the fork server to exit after its SuperNode")
+    _wait_for(lambda: not _alive(server_pid), "the fork server to exit after its SuperNode")
     assert not (tmp_path / "launchers").exists()
 
 
