@@ -94,24 +94,35 @@ def check_features(args: argparse.Namespace, on_gpu: bool) -> list[dict]:
     return rows
 
 
+def first_round_weights() -> dict[str, np.ndarray]:
+    """The head a factory receives in the checks' first round (the same every call)."""
+    from common.models import weights_of
+
+    return weights_of(build_model("effnet-lite0", 6, seed=1))
+
+
+def first_round(factory_id: str, **agent: object):  # -> (LocalRound, seconds)
+    """A factory's first round of the default pretrained recipe (600 generated images, features from scratch, head
+    trained 2 epochs) in a throw-away state directory, with these `AgentConfig` settings; and its wall time."""
+    from client.trainer import FactoryTrainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = FactoryTrainer(AgentConfig(factory_id=factory_id, train_size=600, state_dir=tmp, torch_threads=os.cpu_count() or 1, **agent))
+        t0 = time.perf_counter()
+        out = trainer.train(first_round_weights(), {"architecture": "effnet-lite0", "local-epochs": 2, "batch-size": 16}, 1, run_id=factory_id)
+        seconds = time.perf_counter() - t0
+        trainer.close()
+    return out, seconds
+
+
 def check_agent_round(on_gpu: bool) -> list[dict]:
     """A factory's first pretrained-family round (features extracted, then the head trained), with --feature-device auto
     against cpu: the time of the round, and the trained heads, which should agree."""
-    from client.trainer import FactoryTrainer
-    from common.models import weights_of
-
-    config = {"architecture": "effnet-lite0", "local-epochs": 2, "batch-size": 16}
-    weights = weights_of(build_model("effnet-lite0", 6, seed=1))
-    heads, seconds = {}, {}
     threads = os.cpu_count() or 1
+    heads, seconds = {}, {}
     for device in ("cpu", "auto"):
-        with tempfile.TemporaryDirectory() as tmp:
-            trainer = FactoryTrainer(AgentConfig(factory_id=f"gpu-check-{device}", train_size=600, state_dir=tmp, torch_threads=threads,
-                                                 feature_device=device))
-            t0 = time.perf_counter()
-            heads[device] = trainer.train(weights, config, 1, run_id="gpu-check").weights
-            seconds[device] = time.perf_counter() - t0
-            trainer.close()
+        out, seconds[device] = first_round(f"gpu-check-{device}", feature_device=device)
+        heads[device] = out.weights
     diff = max(float(np.abs(heads["auto"][k] - heads["cpu"][k]).max()) for k in heads["cpu"])
     return [emit({"agent_round": "effnet-lite0, 600 images, features from scratch", "cpu_threads": threads, "cpu_s": round(seconds["cpu"], 2),
                   "auto_s": round(seconds["auto"], 2), "auto_over_cpu": round(seconds["auto"] / seconds["cpu"], 3),
@@ -121,20 +132,10 @@ def check_agent_round(on_gpu: bool) -> list[dict]:
 def check_dp_agent_round() -> list[dict]:
     """A DP factory's first pretrained-family round with its features on the GPU (--feature-device auto): the released
     class counts, the logit-adjusted DP-SGD head (`client.dp.LogitShift`) and the ledger's charge, end to end."""
-    from client.trainer import FactoryTrainer
-    from common.models import weights_of
-
-    config = {"architecture": "effnet-lite0", "local-epochs": 2, "batch-size": 16}
-    weights = weights_of(build_model("effnet-lite0", 6, seed=1))
-    with tempfile.TemporaryDirectory() as tmp:
-        trainer = FactoryTrainer(AgentConfig(factory_id="gpu-check-dp", train_size=600, state_dir=tmp, torch_threads=os.cpu_count() or 1,
-                                             feature_device="auto", dp=True, dp_epsilon=8.0, dp_planned_rounds=5))
-        t0 = time.perf_counter()
-        out = trainer.train(weights, config, 1, run_id="gpu-check-dp")
-        seconds = time.perf_counter() - t0
-        trainer.close()
+    out, seconds = first_round("gpu-check-dp", feature_device="auto", dp=True, dp_epsilon=8.0, dp_planned_rounds=5)
+    received = first_round_weights()
     finite = all(bool(np.isfinite(v).all()) for v in out.weights.values())
-    changed = any(not np.array_equal(out.weights[k], weights[k]) for k in out.weights)
+    changed = any(not np.array_equal(out.weights[k], received[k]) for k in out.weights)
     spent = out.privacy.get("epsilon-spent", float("nan"))
     return [emit({"dp_agent_round": "effnet-lite0, 600 images, features on the GPU, DP head", "seconds": round(seconds, 2),
                   "epsilon_spent": round(spent, 4), "examples": out.examples, "train_loss": round(out.metrics.get("train-loss", float("nan")), 4),
