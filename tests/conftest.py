@@ -32,6 +32,32 @@ def federation_pids() -> set[int]:
     return pids
 
 
+def majority_class_features(seed: int, spread: float):  # -> (train FeatureSet, test FeatureSet)
+    """Three classes of 8-d features, unit noise around centres drawn at scale ``spread``: a training set where class 0
+    holds 90 % (540 / 30 / 30) and a balanced test set (300 each), for the logit-adjustment tests."""
+    import numpy as np
+
+    from common.features import FeatureSet
+
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(0, spread, (3, 8))
+
+    def draw(per_class):
+        x = np.concatenate([centres[c] + rng.normal(0, 1.0, (n, 8)) for c, n in enumerate(per_class)]).astype(np.float32)
+        return FeatureSet(x, np.repeat(np.arange(3), per_class), ("a", "b", "c"))
+
+    return draw((540, 30, 30)), draw((300, 300, 300))
+
+
+def rare_class_recall(head, test) -> float:
+    """Of ``test``'s rare-class images (majority_class_features), the share ``head`` does not call the majority class."""
+    import torch
+
+    with torch.no_grad():
+        predicted = head(torch.from_numpy(test.images)).argmax(1).numpy()
+    return float((predicted[300:] != 0).mean())
+
+
 def log_tails(workdir: Path, lines: int = 12) -> str:
     """The last lines of every process log under ``workdir``: what a failed run over real processes left behind, for
     the assertion message (CI keeps nothing else)."""
