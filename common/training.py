@@ -107,7 +107,9 @@ class TrainConfig:
     secure_sum_lr: float = field(default=3.0, metadata=_key(
         "secure-sum-lr", "step size of the one DP gradient step per round of a factory that shares the secure sum's noise "
                          "(--dp-secure-sum; decayed over rounds like lr, under lr-schedule)"))
-    public_subspace: int = field(default=128, metadata=_key(
+    # Fewer directions, less noise, a lower ceiling: at epsilon 8 and 270 to 540 images per factory, 32 to 48 directions beat
+    # 128 by 1 to 9 points on five data sets of three generators, and 24 fell off on three of them (docs/benchmarks.md)
+    public_subspace: int = field(default=40, metadata=_key(
         "public-subspace", "a head trained with DP-SGD trains within this many principal directions of the proxy set's features "
                            "(public images; 0: the whole head)"))
     public_subspace_whitening: float = field(default=0.5, metadata=_key(

@@ -27,7 +27,7 @@ def registry_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("dash")
     proc = subprocess.run(
         [sys.executable, "-m", "common.cli", "demo", "--factories", "3", "--rounds", "2", "--train-size", "200", "--local-epochs", "1",
-         "--dp", "--epsilon", "8", "--dp-secure-sum", "--min-factories", "3", "--set", "proxy-size=200",  # the DP heads' public set: 200 images
+         "--dp", "--epsilon", "8", "--dp-secure-sum", "--min-factories", "3", "--set", "proxy-size=64",  # the DP heads' public set: 64 images
          "--workdir", str(root), "--json", str(root / "summary.json")],
         capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -64,7 +64,7 @@ def test_api_shows_the_real_run(dashboard, registry_dir):
         privacy = c.get("/api/v1/privacy").json()
         assert {p["factory"] for p in privacy} == {"factory-0", "factory-1", "factory-2"}
         assert all(0 < p["epsilon_spent"] <= p["epsilon_max"] == 8.0 for p in privacy)
-        assert all(p["subspace_dims"] == 128 for p in privacy)  # the head trained within the generated proxy set's top 128 directions
+        assert all(p["subspace_dims"] == 40 for p in privacy)  # the head trained within the generated proxy set's top 40 directions
         # 3 factories, the default threshold 2, no tolerated colluder: each added half the noise of the secure sum
         assert all(p["noise_holders"] == 2 and p["epsilon_spent"] < p["epsilon_alone"] for p in privacy)
         factories = c.get("/api/v1/factories").json()

@@ -162,7 +162,7 @@ def test_the_quality_bench_compares_on_your_own_folders(tmp_path):
     per_factory = [int(v.rstrip("*")) for v in gained.strip("|").split("|")[3].split()]  # served - local in test images, per factory
     assert len(per_factory) == 2 and sum(v > 0 for v in per_factory) == better and sum(v < 0 for v in per_factory) == worse, gained
 
-    assert '"dp_subspace_dims": 19' in run.stdout  # the run's 128 directions, capped by the 20 public images' rank
+    assert '"dp_subspace_dims": 19' in run.stdout  # the run's 40 directions, capped by the 20 public images' rank
 
     # factories that share the secure sum's noise, as a secure round of 2 would let them: the default threshold 2, no colluder;
     # the images read as RGB at another size (a colour line's run config); factory training keys set for the run; no --workdir:
