@@ -108,7 +108,7 @@ class TrainConfig:
         "secure-sum-lr", "step size of the one DP gradient step per round of a factory that shares the secure sum's noise "
                          "(--dp-secure-sum; decayed over rounds like lr, under lr-schedule)"))
     # Fewer directions, less noise, a lower ceiling: at epsilon 8 and 270 to 540 images per factory, 32 to 48 directions beat
-    # 128 by 1 to 9 points on five data sets of three generators, and 24 fell off on three of them (docs/benchmarks.md)
+    # 128 by 1 to 9 points on four data sets of three generators and tied it on the fifth; 24 fell off on three (docs/benchmarks.md)
     public_subspace: int = field(default=40, metadata=_key(
         "public-subspace", "a head trained with DP-SGD trains within this many principal directions of the proxy set's features "
                            "(public images; 0: the whole head)"))
