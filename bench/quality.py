@@ -118,7 +118,7 @@ class Recipe:
         unknown = sorted(set(settings) - settable)
         if unknown:
             raise ValueError(f"--set {', '.join(unknown)}: not a factory training key this bench can set; one of {', '.join(sorted(settable))}")
-        recipe = replace(self, settings=tuple(sorted(settings.items())))
+        recipe = replace(self, settings=tuple(sorted({**dict(self.settings), **settings}.items())))  # on top of the recipe's own
         recipe.federation(0)  # a value of the wrong type raises ValueError naming its key
         return recipe
 

@@ -187,3 +187,20 @@ def test_the_quality_bench_compares_on_your_own_folders(tmp_path):
                          env={**os.environ, "TMPDIR": str(tmpdir)})
     assert run.returncode != 0 and "plant-b/test" in run.stderr + run.stdout
     assert not [p.name for p in tmpdir.iterdir() if p.name.startswith("fedforge-quality-")]  # nor by a refused command
+
+
+def test_a_recipe_keeps_its_own_training_keys_under_set():
+    """`--set` adds to a recipe's own factory training keys; it does not drop them (a recipe defined with settings, or
+    `with_settings` called twice, trains with all of them)."""
+    import sys
+    from dataclasses import replace
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import quality
+
+    recipe = replace(quality.RECIPES["default"], settings=(("head-proximal-mu", 1.0),))
+    for overrides in ({}, {"public-subspace": 8}):
+        training = recipe.with_settings(overrides).federation(0).training
+        assert training.head_proximal_mu == 1.0 and training.public_subspace == overrides.get("public-subspace", 40)
+    assert recipe.with_settings({"head-proximal-mu": 0.5}).federation(0).training.head_proximal_mu == 0.5

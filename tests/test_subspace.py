@@ -177,27 +177,33 @@ def test_a_dp_head_trains_on_logits_adjusted_by_the_prior_of_its_released_counts
     shared.close()
 
 
-def test_without_dp_the_head_trains_with_head_logit_adjustment_and_a_cnn_with_logit_adjustment(tmp_path, monkeypatch):
-    """The trainer's choice of tau: the pretrained head without DP takes head-logit-adjustment (default 1), a cnn-* model
-    logit-adjustment (default 0); the personal fine-tune trains on plain cross-entropy either way."""
+def test_without_dp_the_head_trains_with_the_head_keys_and_a_cnn_with_the_general_ones(tmp_path, monkeypatch):
+    """The trainer's choice of tau and of FedProx's mu: the pretrained head without DP takes head-logit-adjustment (default 1)
+    and head-proximal-mu, a cnn-* model logit-adjustment (default 0) and proximal-mu (default 0)."""
     import client.trainer as trainer_module
-    from common.training import train
+    from common.training import TrainConfig, train
 
-    taus = []
+    taus, mus = [], []
 
     def spy(model, data, cfg, *args, **kwargs):
         taus.append(cfg.logit_adjustment)
+        mus.append(cfg.proximal_mu)
         return train(model, data, cfg, *args, **kwargs)
 
     monkeypatch.setattr(trainer_module, "train", spy)
     trainer = _trainer(tmp_path, "plain", dp=False)
     head = weights_of(build_model(ARCH, 6, seed=1))
     trainer.train(head, {**CONFIG, "personal-epochs": 0}, 1, run_id="r")
-    trainer.train(head, {**CONFIG, "personal-epochs": 0, "head-logit-adjustment": 0.5, "logit-adjustment": 2.0}, 2, run_id="r")
+    trainer.train(head, {**CONFIG, "personal-epochs": 0, "head-logit-adjustment": 0.5, "logit-adjustment": 2.0,
+                         "head-proximal-mu": 0.25, "proximal-mu": 3.0}, 2, run_id="r")
     cnn = {"architecture": "cnn-small", "local-epochs": 1, "personal-epochs": 0}
     trainer.train(weights_of(build_model("cnn-small", 6, seed=1)), cnn, 3, run_id="r")
-    trainer.train(weights_of(build_model("cnn-small", 6, seed=1)), {**cnn, "logit-adjustment": 2.0}, 4, run_id="r")
+    trainer.train(weights_of(build_model("cnn-small", 6, seed=1)), {**cnn, "logit-adjustment": 2.0, "proximal-mu": 3.0}, 4, run_id="r")
     assert taus == [1.0, 0.5, 0.0, 2.0]
+    assert mus == [TrainConfig().head_proximal_mu, 0.25, 0.0, 3.0]
+    assert TrainConfig().personal().proximal_mu == 0.0  # the personal fine-tune stays unanchored
+    with pytest.raises(ValueError, match="head-proximal-mu"):
+        TrainConfig.from_run_config({"head-proximal-mu": -0.1})
     taus.clear()
     trainer.train(head, {**CONFIG, "personal-epochs": 1, "local-only-epochs": 1}, 5, run_id="r")
     trainer.wait_personal()
