@@ -79,7 +79,7 @@ class TrainConfig:
                                  "0 = off"))
     # ...and with FedProx's proximal term, which keeps a factory's two local epochs from drifting to its own label mix: the global
     # model +0.4 to +12 points on six data settings of three generators, most where factories are many, small and skewed
-    # (docs/benchmarks.md). A head trained with DP takes ~4 steps a round and does not drift; there mu cost accuracy.
+    # (docs/benchmarks.md). A head trained with DP (about 4 steps a round) keeps proximal-mu: in a simulator mu only cost it accuracy.
     head_proximal_mu: float = field(default=1.0, metadata=_key(
         "head-proximal-mu", "FedProx for the pretrained family's head trained without DP: weight of mu/2 ||w - w_global||^2, 0 = off"))
     personal_epochs: int = field(default=10, metadata=_key("personal-epochs", "epochs of a factory's personal fine-tune of each global model"))

@@ -189,15 +189,15 @@ def test_the_quality_bench_compares_on_your_own_folders(tmp_path):
     assert not [p.name for p in tmpdir.iterdir() if p.name.startswith("fedforge-quality-")]  # nor by a refused command
 
 
-def test_a_recipe_keeps_its_own_training_keys_under_set():
+def test_a_recipe_keeps_its_own_training_keys_under_set(monkeypatch):
     """`--set` adds to a recipe's own factory training keys; it does not drop them (a recipe defined with settings, or
     `with_settings` called twice, trains with all of them)."""
-    import sys
+    import importlib
     from dataclasses import replace
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import quality
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    quality = importlib.import_module("quality")
 
     recipe = replace(quality.RECIPES["default"], settings=(("head-proximal-mu", 1.0),))
     for overrides in ({}, {"public-subspace": 8}):
