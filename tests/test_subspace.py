@@ -205,9 +205,11 @@ def test_without_dp_the_head_trains_with_the_head_keys_and_a_cnn_with_the_genera
     with pytest.raises(ValueError, match="head-proximal-mu"):
         TrainConfig.from_run_config({"head-proximal-mu": -0.1})
     taus.clear()
+    mus.clear()
     trainer.train(head, {**CONFIG, "personal-epochs": 1, "local-only-epochs": 1}, 5, run_id="r")
     trainer.wait_personal()
     assert taus[0] == 1.0 and taus[1:] and set(taus[1:]) == {0.0}, taus  # the round, then the personal model's trainings
+    assert mus[0] == TrainConfig().head_proximal_mu and set(mus[1:]) == {0.0}, mus  # ...which are not anchored to the global head
     trainer.close()
 
 
