@@ -8,7 +8,9 @@ ledger, personal model), the server averages with `server.aggregate.fedavg` and 
 bench/secagg.py cover it). For every setting the baselines run on the *same* data in the same run:
 
 - pooled: one model trained on the union of the factories' training splits (what the federation
-  would reach if the images could leave the factories), for as many epochs as a factory trains in all;
+  would reach if the images could leave the factories), for as many epochs as a factory trains in all,
+  with the federation's loss (each image's logits adjusted by its own factory's label prior); "pooled,
+  plain" is the same on plain cross-entropy;
 - local only: each factory trains alone for as many epochs, from the same initial model;
 - served: what a factory's inspection would serve after the run (its personal model, unless the global
   model validates clearly better on its held-out split: `client.personal`), judged on a separate test
@@ -265,20 +267,34 @@ class Bench:
         return weights_of(head)
 
     def pooled_and_local(self, recipe: Recipe) -> dict:
+        """The baselines. Pooled training uses the federation's loss: each image's logits adjusted by its own factory's label
+        prior (`train`'s ``groups``), as that factory's head trains on them in the federation (tau of the recipe's
+        `TrainConfig.for_head` for the pretrained family, ``logit-adjustment`` for a CNN). Without it, under label skew the
+        pooled model learns each factory's optics as a cue for its majority classes, which the central test set (every class
+        under every optics) punishes; ``pooled_plain``, plain cross-entropy on the union, is kept for comparison."""
         epochs = recipe.rounds * recipe.local_epochs
         cfg = TrainConfig(epochs=epochs, lr=recipe.lr, seed=self.seed)
+        federation = recipe.federation(self.seed).training
+        tau = (federation.for_head() if is_pretrained(recipe.architecture) else federation).logit_adjustment
         splits = [t.data.split(self.request).train for t in self.trainers]
         union = ImageDataset(np.concatenate([s.images_at(np.arange(len(s))) for s in splits]), np.concatenate([s.labels for s in splits]),
                              self.classes)
-        model = self.model(recipe.architecture, self.seed)
-        train(federated_part(model), self.inputs(model, recipe.architecture, union), cfg)
-        pooled = evaluate(federated_part(model), self.inputs(model, recipe.architecture, self.test)).accuracy
+        factory_of = np.concatenate([np.full(len(s), i) for i, s in enumerate(splits)])
+
+        def pooled_with(tau: float) -> float:
+            model = self.model(recipe.architecture, self.seed)
+            train(federated_part(model), self.inputs(model, recipe.architecture, union), replace(cfg, logit_adjustment=tau), groups=factory_of)
+            return evaluate(federated_part(model), self.inputs(model, recipe.architecture, self.test)).accuracy
+
+        pooled = pooled_with(tau)
+        pooled_plain = pooled_with(0.0) if tau > 0 else pooled
         local = []
         for i, split in enumerate(splits):
             model = self.model(recipe.architecture, self.seed)
             train(federated_part(model), self.inputs(model, recipe.architecture, split), replace(cfg, seed=self.seed * 10 + i))
             local.append(evaluate(federated_part(model), self.inputs(model, recipe.architecture, self.factory_tests[i])).accuracy)
-        return {"pooled": pooled, "local": local, "factory_test_images": [len(t) for t in self.factory_tests]}
+        return {"pooled": pooled, "pooled_plain": pooled_plain, "pooled_tau": tau, "local": local,
+                "factory_test_images": [len(t) for t in self.factory_tests]}
 
 
 def served_vs_local(pairs: list[tuple[float, float]]) -> str:
@@ -367,9 +383,9 @@ def print_tables(a: argparse.Namespace, rows: list[dict], overrides: dict[str, o
     if overrides:
         print("Set for every factory: " + ", ".join(f"{k} = {v}" for k, v in sorted(overrides.items())))
         print()
-    print("| setting | recipe | global | pooled | global/pooled | served > local at every factory | served vs local: better / tied "
+    print("| setting | recipe | global | pooled | pooled, plain | global/pooled | served > local at every factory | served vs local: better / tied "
           "(at 1.000) / worse | served - local (min) | DP global | DP served - served (mean, min) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for setting in a.settings.split(","):
         for key in a.recipes.split(","):
             rs = [r for r in rows if r["setting"] == setting and r["recipe"] == RECIPES[key].name]
@@ -381,7 +397,8 @@ def print_tables(a: argparse.Namespace, rows: list[dict], overrides: dict[str, o
             if all("dp_accuracy" in r for r in rs):
                 cost = [d - s for r in rs for d, s in zip(r["dp_served"], r["served"])]
                 dp_columns = f"{statistics.mean(r['dp_accuracy'] for r in rs):.3f} | {statistics.mean(cost):+.3f}, {min(cost):+.3f} |"
-            print(f"| {setting} | {RECIPES[key].name} | {g:.3f} | {pooled:.3f} | {g / pooled:.2f} | {better}/{len(rs)} seeds | {counts} | {margin:+.3f} | "
+            plain = statistics.mean(r.get("pooled_plain", r["pooled"]) for r in rs)
+            print(f"| {setting} | {RECIPES[key].name} | {g:.3f} | {pooled:.3f} | {plain:.3f} | {g / pooled:.2f} | {better}/{len(rs)} seeds | {counts} | {margin:+.3f} | "
                   + dp_columns)
     print()
     print("Served - local-only, in test images of each factory's own test set (factories in order; * : local-only already 1.000):")

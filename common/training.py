@@ -252,6 +252,21 @@ def label_prior_adjustment(labels: np.ndarray, classes: int, tau: float) -> torc
     return prior_adjustment(np.bincount(labels.astype(np.int64), minlength=classes), tau)
 
 
+def group_prior_adjustment(labels: np.ndarray, groups: np.ndarray, classes: int, tau: float) -> torch.Tensor:
+    """Per example (N, classes): tau * log(prior) of the labels of the example's own group (`label_prior_adjustment`).
+
+    What training on several factories' images pooled needs to train with the loss each factory's head trains with in
+    the federation: every image adjusted by its own factory's label mix, not by the union's."""
+    labels, groups = np.asarray(labels, dtype=np.int64), np.asarray(groups)
+    if groups.shape != labels.shape:
+        raise ValueError(f"groups must give one group per example: {groups.shape} groups for {labels.shape} labels")
+    out = torch.zeros((len(labels), classes))
+    for group in np.unique(groups):
+        members = groups == group
+        out[torch.from_numpy(members)] = label_prior_adjustment(labels[members], classes, tau)
+    return out
+
+
 def prior_adjustment(counts: np.ndarray, tau: float) -> torch.Tensor:
     """tau * log(prior) of class ``counts`` (add-one smoothed; a noisy release's negative counts read as 0)."""
     counts = np.asarray(counts, dtype=np.float64)
@@ -267,13 +282,15 @@ def proximal_term(model: nn.Module, anchor: list[torch.Tensor]) -> torch.Tensor:
     return sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))  # type: ignore[return-value]
 
 
-def train(model: nn.Module, data: ImageSet, cfg: TrainConfig, shard: tuple[int, int] = (0, 1)) -> TrainResult:
+def train(model: nn.Module, data: ImageSet, cfg: TrainConfig, shard: tuple[int, int] = (0, 1), groups: np.ndarray | None = None) -> TrainResult:
     """Train ``model`` in place for ``cfg.epochs`` epochs over ``data``.
 
     With ``shard=(rank, world_size)`` every rank walks the same global batches (same seed) and
     computes on its slice ``batch[rank::world_size]``; DDP/FSDP average the gradients, so the
     step equals a single process's step on the whole global batch. With ``cfg.proximal_mu`` the loss
-    gains FedProx's mu/2 ||w - w_global||^2, w_global being the weights the model starts with.
+    gains FedProx's mu/2 ||w - w_global||^2, w_global being the weights the model starts with. With ``groups`` (one
+    per example: the factory it comes from, when images are pooled) the logit adjustment is each group's own
+    (`group_prior_adjustment`) instead of the whole set's.
     """
     rank, world_size = shard
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -285,13 +302,18 @@ def train(model: nn.Module, data: ImageSet, cfg: TrainConfig, shard: tuple[int, 
     model.train()
     device = next(iter(model.parameters())).device
     anchor = [p.detach().clone() for p in model.parameters() if p.requires_grad] if cfg.proximal_mu > 0 else []
-    adjust = label_prior_adjustment(np.asarray(data.labels), len(data.classes), cfg.logit_adjustment).to(device)
+    if groups is None:
+        adjust = label_prior_adjustment(np.asarray(data.labels), len(data.classes), cfg.logit_adjustment).to(device)
+    else:
+        per_example = group_prior_adjustment(np.asarray(data.labels), groups, len(data.classes), cfg.logit_adjustment).to(device)
     loss_sum, correct, seen, step = 0.0, 0, 0, 0
     for _ in range(cfg.epochs):
         order = torch.randperm(n, generator=generator)
         for start in range(0, n, cfg.batch_size):
             batch = order[start : start + cfg.batch_size]
             x, y = _batch(data, batch[rank::world_size], device)
+            if groups is not None:
+                adjust = per_example[batch[rank::world_size].to(device)]
             if cfg.augment:
                 x = augment_batch(x, generator)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):

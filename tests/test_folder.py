@@ -153,11 +153,13 @@ def test_the_quality_bench_compares_on_your_own_folders(tmp_path):
     assert '"dp_public_images": 20' in run.stdout
     row = next(line for line in run.stdout.splitlines() if line.startswith("| folders |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert 0.0 <= float(cells[2]) <= 1.0 and 0.0 <= float(cells[3]) <= 1.0 and cells[5].endswith("/1 seeds"), row
-    better, tied, worse = (int(v.split("(")[0]) for v in cells[6].split(" / "))  # served vs local, counted over the 2 factories
-    assert better + tied + worse == 2 and "(" in cells[6], row
-    dp_mean, dp_worst = (float(v) for v in cells[9].split(","))  # DP served - served: mean, worst factory
-    assert 0.0 <= float(cells[8]) <= 1.0 and -1.0 <= dp_worst <= dp_mean <= 1.0, row
+    # global, pooled (the federation's loss: each image adjusted by its factory's prior), pooled on plain cross-entropy
+    assert all(0.0 <= float(cells[i]) <= 1.0 for i in (2, 3, 4)) and cells[6].endswith("/1 seeds"), row
+    assert '"pooled_tau": 1.0' in run.stdout  # the head's default head-logit-adjustment
+    better, tied, worse = (int(v.split("(")[0]) for v in cells[7].split(" / "))  # served vs local, counted over the 2 factories
+    assert better + tied + worse == 2 and "(" in cells[7], row
+    dp_mean, dp_worst = (float(v) for v in cells[10].split(","))  # DP served - served: mean, worst factory
+    assert 0.0 <= float(cells[9]) <= 1.0 and -1.0 <= dp_worst <= dp_mean <= 1.0, row
     gained = next(line for line in run.stdout.splitlines() if line.startswith("| folders |") and line.count("|") == 5)
     per_factory = [int(v.rstrip("*")) for v in gained.strip("|").split("|")[3].split()]  # served - local in test images, per factory
     assert len(per_factory) == 2 and sum(v > 0 for v in per_factory) == better and sum(v < 0 for v in per_factory) == worse, gained

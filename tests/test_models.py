@@ -277,6 +277,36 @@ def test_logit_adjustment_trains_on_logits_plus_tau_log_of_the_factorys_smoothed
         TrainConfig(logit_adjustment=-1.0)
 
 
+def test_pooled_images_train_on_each_groups_own_label_prior():
+    """Training on several factories' images pooled (the quality bench's pooled baseline) with ``groups``: one full-batch
+    SGD step is the gradient of CE(logits + tau log prior of the image's own factory); one group is the plain adjustment."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(6, 3)).astype(np.float16)
+    labels = np.array([0, 0, 1, 1, 1, 0])
+    groups = np.array([0, 0, 1, 1, 1, 1])  # factory 0: counts (2, 0), smoothed (3, 1) / 4; factory 1: (1, 3), smoothed (2, 4) / 6
+    data = FeatureSet(x, labels, ("a", "b"))
+    sgd = TrainConfig(epochs=1, batch_size=6, lr=1.0, optimizer="sgd", momentum=0.0, weight_decay=0.0, grad_clip=0.0, warmup_fraction=0.0,
+                      logit_adjustment=1.0)
+
+    def one_step(group_of: np.ndarray | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        train(model, data, sgd, groups=group_of)
+        return [p.detach() for p in model.parameters()]
+
+    torch.manual_seed(0)
+    probe = torch.nn.Linear(3, 2)
+    w0 = [p.detach().clone() for p in probe.parameters()]
+    shift = torch.log(torch.tensor([[3.0, 1.0]] * 2 + [[2.0, 4.0]] * 4) / torch.tensor([[4.0]] * 2 + [[6.0]] * 4))
+    loss = F.cross_entropy(probe(torch.from_numpy(x.astype(np.float32))) + shift, torch.from_numpy(labels))
+    for p, w, g in zip(one_step(groups), w0, torch.autograd.grad(loss, list(probe.parameters()))):
+        torch.testing.assert_close(p, w - g, atol=1e-5, rtol=1e-5)
+    for a, b in zip(one_step(np.zeros(6, dtype=np.int64)), one_step(None)):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="one group per example"):
+        train(torch.nn.Linear(3, 2), data, sgd, groups=groups[:4])
+
+
 def test_a_logit_adjusted_head_leans_less_to_its_factorys_majority_class():
     """On features where one class holds 90% of a factory's images, the head trained on logits + log(prior) calls the rare
     classes' images the majority class less often on a balanced test set (what the averaged model then inherits)."""
