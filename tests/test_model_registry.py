@@ -201,21 +201,30 @@ def test_watch_approved_streams_approvals_and_revocations(central, tmp_path):
 
 @pytest.mark.slow
 def test_large_model_streams_in_bounded_memory(central, tmp_path):
+    """The edge client writes each chunk to disk as it arrives: its memory grows by far less than the model while pulling.
+
+    Measured against the client's own resident size just before the pull, not as an absolute peak: that baseline (the
+    interpreter, grpc, the registry client) and gRPC's receive buffering vary from run to run (here it grew by 17 to 35 MiB
+    alone, and once peaked at 118 MiB in a full suite run), while a client that held the model would grow by at least its
+    206 MiB."""
     registry, address, _ = central
-    v = registry.add_version(_new(size=27_000_000))  # 108 MB (103 MiB) of float32
-    assert v.size_bytes > 100 * 1024 * 1024
+    v = registry.add_version(_new(size=54_000_000))  # 216 MB (206 MiB) of float32
+    assert v.size_bytes > 200 * 1024 * 1024
     script = textwrap.dedent(f"""
         from client.models import ModelClient
         from common.signing import load_public
         m = ModelClient({address!r}, load_public({str(tmp_path / "keys" / "signing.pub")!r}), {str(tmp_path / "edge")!r}, token={TOKEN!r})
+        def status(field):  # VmHWM, not ru_maxrss: the latter keeps the forking parent's peak across exec
+            return [int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field)][0]
+        before = status("VmRSS")
         m.pull({v.id!r})
-        # VmHWM, not ru_maxrss: the latter keeps the forking parent's peak across exec
-        print([int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM")][0])
+        print(before, status("VmHWM"))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr
-    peak_kib = int(out.stdout.strip().splitlines()[-1])
-    assert peak_kib < 100 * 1024, f"peak RSS {peak_kib / 1024:.0f} MiB while pulling {v.size_bytes / 2**20:.0f} MiB"
+    before_kib, peak_kib = (int(x) for x in out.stdout.strip().splitlines()[-1].split())
+    grown_mib, model_mib = (peak_kib - before_kib) / 1024, v.size_bytes / 2**20
+    assert grown_mib < model_mib / 2, f"resident size grew by {grown_mib:.0f} MiB (from {before_kib / 1024:.0f}) while pulling {model_mib:.0f} MiB"
 
 
 def test_export_torchscript_and_int8_with_accuracy_delta(registry_factory, tmp_path):
