@@ -398,7 +398,7 @@ def print_tables(a: argparse.Namespace, rows: list[dict], overrides: dict[str, o
             if all("dp_accuracy" in r for r in rs):
                 cost = [d - s for r in rs for d, s in zip(r["dp_served"], r["served"])]
                 dp_columns = f"{statistics.mean(r['dp_accuracy'] for r in rs):.3f} | {statistics.mean(cost):+.3f}, {min(cost):+.3f} |"
-            plain = statistics.mean(r.get("pooled_plain", r["pooled"]) for r in rs)
+            plain = statistics.mean(r["pooled_plain"] for r in rs)
             print(f"| {setting} | {RECIPES[key].name} | {g:.3f} | {pooled:.3f} | {plain:.3f} | {g / pooled:.2f} | {better}/{len(rs)} seeds | {counts} | {margin:+.3f} | "
                   + dp_columns)
     print()
