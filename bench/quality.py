@@ -22,6 +22,7 @@ DP, so "DP served - served" is what DP costs on a factory's line, beside what it
 Under DP each factory trains the head within the principal subspace of the public proxy set's features
 (`client.subspace`; the run's `public-subspace`), as a deployment does: the generator's proxy images, or
 ROOT/proxy with `--folders`; `--no-public` trains the whole head instead (what DP gets without public images).
+`--dp-max-grad-norm` is the factories' clipping norm (`public`: client.privacy.PrivacyBudget.clip_norm).
 `--dp-secure-sum` runs the DP factories as `fedforge client --dp-secure-sum` does: one full-batch DP step per round, each
 adding its share of the noise of a secure sum over the complete graph with the default threshold and no tolerated
 colluders (docs/security.md), for `--dp-rounds` rounds (default 30 with it, else the recipe's).
@@ -65,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import click
 import numpy as np
 
+from client.cli import CLIP_NORM
 from client.config import AgentConfig
 from client.data import DataRequest
 from client.personal import global_clearly_better
@@ -178,7 +180,7 @@ def factory_test_set(spec: datasets.SyntheticSpec, index: int, size: int) -> Ima
 class Bench:
     def __init__(self, seed: int, factories: int, alpha: float, train_size: int, workdir: Path, tag: str, dp_epsilon: float = 0.0,
                  rounds: int = 1, folders: Folders | None = None, public: bool = True, secure_sum: bool = False, channels: int = 1,
-                 image_size: int = 0) -> None:
+                 image_size: int = 0, max_grad_norm: float | str = 1.0) -> None:
         spec = datasets.SyntheticSpec(seed=seed, num_factories=factories, alpha=alpha, train_size=train_size)
         self.spec = replace(spec, image_size=image_size) if image_size else spec
         self.seed, self.folders, self.channels = seed, folders, channels
@@ -189,7 +191,8 @@ class Bench:
         self.trainers = [FactoryTrainer(AgentConfig(
             factory_id=f"f{i}", factory_index=i, num_factories=factories, data_seed=seed, alpha=alpha, train_size=train_size,
             data=str(folders.factories[i] / "train") if folders else "synthetic", classes=",".join(self.classes),
-            state_dir=str(state / f"f{i}"), dp=dp_epsilon > 0, dp_epsilon=dp_epsilon or 8.0, dp_planned_rounds=rounds, dp_secure_sum=secure_sum))
+            state_dir=str(state / f"f{i}"), dp=dp_epsilon > 0, dp_epsilon=dp_epsilon or 8.0, dp_planned_rounds=rounds, dp_secure_sum=secure_sum,
+            dp_max_grad_norm=max_grad_norm))
             for i in range(factories)]
         # the honest inputs of a secure round's sum over the complete graph, default threshold, no tolerated colluders
         self.noise_holders = default_threshold(factories) if secure_sum else 1
@@ -298,6 +301,14 @@ class Bench:
                 "factory_test_images": [len(t) for t in self.factory_tests]}
 
 
+def clip_norm(value: str) -> float | str:
+    """``--dp-max-grad-norm`` as `fedforge client` reads it, refused as argparse refuses."""
+    try:
+        return CLIP_NORM.convert(value, None, None)
+    except click.BadParameter as exc:
+        raise argparse.ArgumentTypeError(exc.format_message()) from None
+
+
 def served_vs_local(pairs: list[tuple[float, float]]) -> str:
     """Factories whose served model beats / ties / loses to their local-only model on their own test images. A tie where
     local-only is already perfect (a factory that sees one class scores 1.000 alone) cannot become a win, so it is
@@ -315,6 +326,8 @@ def main() -> None:
     p.add_argument("--dp", action="store_true", help="also run the first recipe with DP-SGD at epsilon 8 per factory over the run")
     p.add_argument("--no-public", action="store_true", help="with --dp: no public proxy set, DP-SGD trains the whole head")
     p.add_argument("--dp-secure-sum", action="store_true", help="with --dp: the factories share the secure sum's DP noise (--dp-secure-sum)")
+    p.add_argument("--dp-max-grad-norm", type=clip_norm, default=1.0, help="with --dp: the factories' --dp-max-grad-norm (a number, or "
+                   "public: with --dp-secure-sum the public images' feature norm)")
     p.add_argument("--dp-rounds", type=int, default=0, help="with --dp: rounds of the DP run (default: 30 with --dp-secure-sum, else the recipe's)")
     p.add_argument("--train-size", type=int, default=600)
     p.add_argument("--threads", type=int, default=2)
@@ -366,7 +379,8 @@ def run_all(a: argparse.Namespace, recipes: dict[str, Recipe], overrides: dict[s
                 if a.dp and key == a.recipes.split(",")[0]:
                     dp_recipe = replace(recipe, name=recipe.name + " DP", rounds=a.dp_rounds or (SECURE_SUM_DP_ROUNDS if a.dp_secure_sum else recipe.rounds))
                     dp_bench = Bench(seed, factories, alpha, a.train_size, workdir, key, dp_epsilon=8.0, rounds=dp_recipe.rounds, folders=folders,
-                                     public=not a.no_public, secure_sum=a.dp_secure_sum, channels=a.channels, image_size=a.image_size)
+                                     public=not a.no_public, secure_sum=a.dp_secure_sum, channels=a.channels, image_size=a.image_size,
+                                     max_grad_norm=a.dp_max_grad_norm)
                     row["dp_public_images"] = len(dp_bench.public) if dp_bench.public is not None else 0
                     row["dp_rounds"], row["dp_noise_holders"] = dp_recipe.rounds, dp_bench.noise_holders
                     dp = dp_bench.federate(dp_recipe)

@@ -16,6 +16,27 @@ STABLE_SECONDS = 60.0  # a SuperNode that ran this long had connected: its next 
 MAX_RESTART_DELAY = 8  # seconds between SuperNode restarts, at most
 
 
+class ClipNorm(click.ParamType):
+    """``--dp-max-grad-norm``: a positive number, or ``public`` (`client.privacy.PrivacyBudget.clip_norm`)."""
+
+    name = "NORM|public"
+
+    def convert(self, value, param, ctx):  # type: ignore[no-untyped-def]
+        from client.privacy import PUBLIC_NORM
+
+        if isinstance(value, str) and value.strip().lower() == PUBLIC_NORM:
+            return PUBLIC_NORM
+        try:
+            norm = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is neither a number nor {PUBLIC_NORM!r}", param, ctx)
+        if not 0 < norm < float("inf"):
+            self.fail(f"{value!r} must be a positive number or {PUBLIC_NORM!r}", param, ctx)
+        return norm
+
+
+CLIP_NORM = ClipNorm()
+
 factory_id_option = click.option("--factory-id", required=True, help="This factory's name, as the server and dashboard show it.")
 
 
@@ -71,7 +92,8 @@ def agent_options(f):  # type: ignore[no-untyped-def]
         click.option("--dp/--no-dp", default=False, help="Train with DP-SGD (Opacus) under this factory's privacy budget."),
         click.option("--dp-epsilon", default=8.0, type=float, help="Privacy budget epsilon_max over all rounds and runs."),
         click.option("--dp-delta", default=1e-5, type=float, help="Privacy budget delta."),
-        click.option("--dp-max-grad-norm", default=1.0, type=float, help="Per-sample gradient clipping bound."),
+        click.option("--dp-max-grad-norm", default="1.0", type=CLIP_NORM, help="Per-sample gradient clipping bound, or public: with "
+                     "--dp-secure-sum in a public subspace, the median norm of the public proxy images' features there (else 1.0)."),
         click.option("--dp-planned-rounds", default=20, type=int, help="Rounds the budget is planned for (sets the noise)."),
         click.option("--dp-grad-sample-mode", default="hooks", type=click.Choice(["hooks", "ew", "functorch", "ghost"]), help="Opacus per-sample gradient mode."),
         click.option("--dp-fix-model/--no-dp-fix-model", default=False, help="Replace BatchNorm by GroupNorm instead of refusing the model."),

@@ -46,6 +46,9 @@ class PublicSubspace:
     mean: np.ndarray  # (d,) float32
     basis: np.ndarray  # (d, k) float32: orthonormal principal directions times their scale
     source: str  # what it was computed from (the proxy set's sha256 and the backbone), for logs
+    # The median over the public images of |(P^T (x - mean), 1)|, what an example's gradient norm in the subspace head
+    # scales with (the gradient of a linear map is the residual times its input): a clipping norm set from public images
+    feature_norm: float = 1.0
 
     @property
     def dims(self) -> int:
@@ -66,7 +69,8 @@ def fit_subspace(features: np.ndarray, dims: int, whitening: float, source: str 
     the built-in data, 0.125 to 0.5 were within a point of each other, 0 about a point below them and
     full whitening about four; on a second generator's images 0.5 (the default) with a decaying
     learning rate was about three points above 0.25 (docs/benchmarks.md). Signs are fixed (largest component positive) so that every factory
-    computing it from the same images gets the same basis.
+    computing it from the same images gets the same basis. ``feature_norm`` is the median norm of the public images'
+    coordinates (with the bias's constant input), the public scale of a per-example gradient (`PrivacyBudget.clip_norm`).
     """
     x = np.asarray(features, dtype=np.float64)
     if x.ndim != 2 or not np.isfinite(x).all():
@@ -86,7 +90,9 @@ def fit_subspace(features: np.ndarray, dims: int, whitening: float, source: str 
     directions = directions * signs[:, None]
     scale = (s[:k] / s[0]) ** (-float(whitening))
     basis = (directions.T * scale[None, :]).astype(np.float32)
-    return PublicSubspace(mean.astype(np.float32), basis, source)
+    coordinates = (x - mean) @ basis.astype(np.float64)
+    feature_norm = float(np.median(np.sqrt((coordinates**2).sum(axis=1) + 1.0)))  # the delta's input with its bias's 1
+    return PublicSubspace(mean.astype(np.float32), basis, source, feature_norm)
 
 
 class SubspaceHead(nn.Module):

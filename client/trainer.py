@@ -226,7 +226,8 @@ class FactoryTrainer:
         eval_seconds = time.perf_counter() - t0
         trainable, private_cfg, subspace = self._trainable(prep, cfg, public)
         # a DP factory plans its schedule from its released count (weight), never from its exact image count
-        privacy, dp_plan = (self._charge_privacy(weight or 1, private_cfg, config, server_round, run_id, noise_holders)
+        clip = self.budget.clip_norm(subspace.feature_norm if subspace is not None else None) if self.budget else 1.0
+        privacy, dp_plan = (self._charge_privacy(weight or 1, private_cfg, config, server_round, run_id, noise_holders, clip)
                             if self.budget else ({}, None))
         if self.budget is not None and is_pretrained(prep.architecture):  # 0: the whole head trained (no public subspace)
             privacy["dp-subspace-dims"] = float(subspace.dims if subspace is not None else 0)
@@ -241,7 +242,8 @@ class FactoryTrainer:
             if dp_plan is None:
                 result = train(trainable, prep.train_set, cfg.for_head() if is_pretrained(prep.architecture) else cfg)
             elif secure_sum_step:  # one full-batch step, in the agent's process (a worker group is not needed for one step)
-                result = noisy_gradient_step(trainable, prep.train_set, private_cfg.secure_sum_lr, dp_plan.noise_multiplier, dp_plan.max_grad_norm,
+                # the step in units of the clipping norm: secure-sum-lr means the same whatever the norm (client.privacy)
+                result = noisy_gradient_step(trainable, prep.train_set, private_cfg.secure_sum_lr / clip, dp_plan.noise_multiplier, clip,
                                              normaliser=weight, logit_shift=self._released_prior_shift(prep, private_cfg, released))
             else:
                 result = train_private(trainable, prep.train_set, private_cfg, dp_plan, logit_shift=self._released_prior_shift(prep, private_cfg, released))
@@ -410,7 +412,7 @@ class FactoryTrainer:
         return feats.images_at(np.arange(len(feats)))
 
     def _charge_privacy(self, n: int, cfg: TrainConfig, config: dict[str, Any], server_round: int, run_id: str,
-                        noise_holders: int = 1) -> tuple[dict[str, float], DPPlan]:
+                        noise_holders: int = 1, clip: float = 1.0) -> tuple[dict[str, float], DPPlan]:
         """Charge the ledger for this round (or refuse it with `BudgetExhausted`) before any training.
 
         ``n``: the total of the factory's released class counts (`class_counts`), not its exact image count, so that the
@@ -419,7 +421,8 @@ class FactoryTrainer:
         (q = 1 / ceil(n / B), ceil(n / B) steps per epoch: `client.dp.poisson_loader`), so the ledger never under-counts.
         Sharing the secure sum's noise (--dp-secure-sum): one Gaussian mechanism per round (q = 1, one step) whose noise
         multiplier is the sum's; this factory adds that noise divided by sqrt(noise_holders), and the ledger also keeps
-        what its own noise alone guarantees (``epsilon-alone``).
+        what its own noise alone guarantees (``epsilon-alone``). ``clip``: the round's per-example clipping norm
+        (`PrivacyBudget.clip_norm`); the noise multiplier is relative to it, so it does not change what is charged.
         """
         assert self.budget is not None and self.ledger is not None
         ignored = sorted(k for k in config if k.startswith("dp-") or k in ("noise-multiplier", "max-grad-norm", "epsilon", "delta"))
@@ -432,17 +435,17 @@ class FactoryTrainer:
         noise = noise_for_budget(self.budget.epsilon_max, self.budget.delta, rate, self.budget.planned_rounds * steps, self.budget.reserved)
         epsilon = self.ledger.charge(self.budget, run_id, server_round, noise, rate, steps, noise_holders=holders)
         mode = "ghost_fsdp" if self.cfg.parallelism == "fsdp" else self.budget.grad_sample_mode
-        plan = DPPlan(noise_multiplier=noise / math.sqrt(holders), max_grad_norm=self.budget.max_grad_norm, sample_rate=rate, grad_sample_mode=mode,
+        plan = DPPlan(noise_multiplier=noise / math.sqrt(holders), max_grad_norm=clip, sample_rate=rate, grad_sample_mode=mode,
                       examples=float(n))
         privacy = {
             "epsilon-spent": epsilon, "epsilon-remaining": max(0.0, self.budget.epsilon_max - epsilon), "epsilon-max": self.budget.epsilon_max,
-            "delta": self.budget.delta, "noise-multiplier": noise, "dp-steps": float(steps),
+            "delta": self.budget.delta, "noise-multiplier": noise, "dp-steps": float(steps), "dp-max-grad-norm": clip,
         }
         if self.budget.secure_sum:
             privacy |= {"dp-noise-holders": float(holders), "epsilon-alone": self.ledger.spent_alone(self.budget.delta)}
             log.info("round %d: one DP step sharing the secure sum's noise with %d honest input(s) (noise multiplier %.3f of the sum, "
-                     "%.3f added here); epsilon %.3f against the sum, %.3f on this factory's noise alone", server_round, holders, noise,
-                     plan.noise_multiplier, epsilon, privacy["epsilon-alone"])
+                     "%.3f added here, gradients clipped at %.3g); epsilon %.3f against the sum, %.3f on this factory's noise alone",
+                     server_round, holders, noise, plan.noise_multiplier, clip, epsilon, privacy["epsilon-alone"])
         return privacy, plan
 
     # evaluation and distillation ------------------------------------------------------------

@@ -16,7 +16,7 @@ from common.evaluation import figures
 from common.secagg.layout import SUMMED_METRICS
 
 PRIVACY_KEYS = ("epsilon-spent", "epsilon-remaining", "epsilon-max", "delta", "noise-multiplier", "dp-subspace-dims", "dp-noise-holders",
-                "epsilon-alone")
+                "epsilon-alone", "dp-max-grad-norm")
 SHARED_KEYS = ("held-out-accuracy-before", "held-out-loss-before", "held-out-accuracy-after", "held-out-examples",
                "held-out-accuracy", "held-out-loss")
 

@@ -68,13 +68,14 @@ def test_the_privacy_list_defers_each_factorys_history_and_a_new_round_shows_at_
                                         weights=OrderedDict(w=np.zeros(2, np.float32)), metrics={}, participants=["a", "b"],
                                         privacy={"a": {"epsilon-spent": 0.5 * (r + 1), "epsilon-max": 8.0},
                                                  "b": {"epsilon-spent": 0.5 * (r + 1), "epsilon-max": 8.0, "dp-noise-holders": 2.0,
-                                                       "epsilon-alone": 0.9 * (r + 1)}}))
+                                                       "epsilon-alone": 0.9 * (r + 1), "dp-max-grad-norm": 11.5}}))
     with TestClient(create_app(DashboardSettings(tmp_path))) as c:
         short = c.get("/api/v1/privacy").json()
         assert [(p["factory"], p["epsilon_spent"], p["history"]) for p in short] == [("a", 1.5, None), ("b", 1.5, None)]
         # a factory that shares the secure sum's noise (--dp-secure-sum) shows with whom, and what its own noise guarantees
         assert [(p["noise_holders"], p["epsilon_alone"]) for p in short] == [(None, None), (2, pytest.approx(2.7))]
-        assert "noise shared with 2 honest input(s) of the secure sum (ε 2.700 on its own noise)" in c.get("/privacy").text
+        assert "noise shared with 2 honest input(s) of the secure sum (ε 2.700 on its own noise); gradients clipped at 11.5" in c.get("/privacy").text
+        assert [p["max_grad_norm"] for p in short] == [None, 11.5]
         full = c.get("/api/v1/privacy", params={"history": "true"}).json()
         assert [h["epsilon_spent"] for h in full[0]["history"]] == [0.5, 1.0, 1.5]
         registry.record_round("run-p", 3, status="aborted", participants=[], failures={"a": "no reply"}, seconds=1.0, version_id=None, metrics={})

@@ -119,6 +119,30 @@ def test_invalid_budget_is_rejected():
         PrivacyBudget(epsilon_max=0, delta=1e-5)
     with pytest.raises(ValueError, match="--dp-delta"):
         PrivacyBudget(epsilon_max=1, delta=1.5)
+    for bad in (0.0, -1.0, float("nan"), float("inf"), "auto"):
+        with pytest.raises(ValueError, match="--dp-max-grad-norm must be a positive number or 'public'"):
+            PrivacyBudget(epsilon_max=1, delta=1e-5, max_grad_norm=bad)
+
+
+def test_the_clipping_norm_is_the_factorys_number_or_from_public_images_only_under_shared_noise():
+    """public: the public feature norm for --dp-secure-sum's step in a public subspace, 1.0 for every other DP path."""
+    assert PrivacyBudget(8, 1e-5, max_grad_norm="public", secure_sum=True).clip_norm(11.5) == 11.5
+    assert PrivacyBudget(8, 1e-5, max_grad_norm="public", secure_sum=True).clip_norm(None) == 1.0  # no public subspace (the whole head)
+    assert PrivacyBudget(8, 1e-5, max_grad_norm="public").clip_norm(11.5) == 1.0  # local DP-SGD
+    assert PrivacyBudget(8, 1e-5, secure_sum=True).clip_norm(11.5) == 1.0  # the default: 1.0
+    assert PrivacyBudget(8, 1e-5, max_grad_norm=2.0, secure_sum=True).clip_norm(11.5) == 2.0
+
+
+@pytest.mark.parametrize("given, expected", [("public", "public"), ("PUBLIC", "public"), ("2.5", 2.5), (3, 3.0)])
+def test_the_clip_option_reads_a_number_or_public_and_refuses_anything_else(given, expected):
+    import click
+
+    from client.cli import CLIP_NORM
+
+    assert CLIP_NORM.convert(given, None, None) == expected
+    for bad in ("auto", "0", "-2", "inf", "nan"):
+        with pytest.raises(click.BadParameter, match="public"):
+            CLIP_NORM.convert(bad, None, None)
 
 
 def test_refusal_reaches_the_caller_as_failed_precondition(tmp_path):

@@ -47,6 +47,15 @@ def test_the_subspace_is_the_top_principal_directions_scaled_and_the_same_every_
     assert fit_subspace(x[:, :3], 10, 0.0).dims == 3  # never more directions than the public images span
 
 
+def test_the_public_feature_norm_is_the_median_norm_of_the_public_coordinates_with_the_bias_input():
+    """What an example's gradient norm in the subspace head scales with, from the public images alone (the auto clipping norm)."""
+    x = np.random.default_rng(3).normal(size=(101, 20)) * 4.0
+    sub = fit_subspace(x, 6, whitening=0.5)
+    z = (x - sub.mean.astype(np.float64)) @ sub.basis.astype(np.float64)
+    assert sub.feature_norm == pytest.approx(np.median(np.sqrt((z**2).sum(axis=1) + 1.0)), rel=1e-6)
+    assert fit_subspace(x * 10, 6, whitening=0.5).feature_norm == pytest.approx(10 * sub.feature_norm, rel=0.01)  # scales with the features
+
+
 @pytest.mark.parametrize("bad, match", [(np.zeros((8, 5)), "at least 16"), (np.full((20, 5), np.nan), "finite"), (np.ones((20, 5)), "do not vary")])
 def test_public_images_that_cannot_give_a_subspace_are_refused_with_the_reason(bad, match):
     with pytest.raises(SubspaceError, match=match):
@@ -229,3 +238,29 @@ def test_logit_adjusted_dp_sgd_leans_less_to_the_majority_class():
         assert isinstance(head, nn.Linear)  # trained in place; no shift is left in it
         recall[name] = rare_class_recall(head, test)  # rare-class images not called the majority class
     assert recall["adjusted"] > recall["plain"] + 0.05, recall  # 0.12-0.15 apart in 14 runs (DP noise and sampling vary)
+
+
+def test_a_secure_sum_step_in_a_public_subspace_clips_at_the_public_feature_norm_in_units_of_it(tmp_path, monkeypatch):
+    """--dp-max-grad-norm public with --dp-secure-sum: clip at the public feature norm, step secure-sum-lr / norm (secure-sum-lr
+    keeps its meaning), and the round reports the norm; a number set by the factory is used as it is, in the same units."""
+    import client.trainer as trainer_module
+
+    calls = []
+    real = trainer_module.noisy_gradient_step
+
+    def spy(model, data, lr, noise_multiplier, max_grad_norm, **kw):
+        calls.append((lr, max_grad_norm))
+        return real(model, data, lr, noise_multiplier, max_grad_norm, **kw)
+
+    monkeypatch.setattr(trainer_module, "noisy_gradient_step", spy)
+    weights = weights_of(build_model(ARCH, 6, seed=1))
+    config = {**CONFIG, "secure-sum-lr": 3.0}
+    for name, norm in (("public", "public"), ("set", 2.5)):
+        trainer = FactoryTrainer(AgentConfig(factory_id=name, factory_index=0, num_factories=2, train_size=60, dp=True, dp_secure_sum=True,
+                                             dp_max_grad_norm=norm, dp_planned_rounds=3, state_dir=str(tmp_path / name)))
+        privacy = trainer.train(weights, config, 1, run_id="r", public=_public(), noise_holders=2).privacy
+        (sub,) = trainer._subspaces.values()
+        clip = sub.feature_norm if norm == "public" else norm
+        assert calls[-1] == (pytest.approx(3.0 / clip), pytest.approx(clip)) and privacy["dp-max-grad-norm"] == pytest.approx(clip)
+        trainer.close()
+    assert sub.feature_norm > 3  # the pretrained features' scale: not the default 1.0

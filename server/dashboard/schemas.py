@@ -118,6 +118,7 @@ class PrivacyOut(BaseModel):
     # --dp-secure-sum: the honest inputs of the secure sum it last shared the noise with, and epsilon on its own noise alone
     noise_holders: int | None = None
     epsilon_alone: float | None = None
+    max_grad_norm: float | None = None  # the per-example clipping norm of its last DP round (client.privacy.PrivacyBudget.clip_norm)
     history: list[PrivacyPoint] | None = None  # per round; in the list only with ?history=true (a deferred column)
 
 

@@ -173,7 +173,7 @@ def privacy(reg: Registry, history: bool = True) -> list[schemas.PrivacyOut]:
     return [schemas.PrivacyOut(factory=f, epsilon_max=latest[f].get("epsilon-max"), epsilon_spent=latest[f].get("epsilon-spent"),
                                subspace_dims=int(latest[f]["dp-subspace-dims"]) if "dp-subspace-dims" in latest[f] else None,
                                noise_holders=int(latest[f]["dp-noise-holders"]) if "dp-noise-holders" in latest[f] else None,
-                               epsilon_alone=latest[f].get("epsilon-alone"),
+                               epsilon_alone=latest[f].get("epsilon-alone"), max_grad_norm=latest[f].get("dp-max-grad-norm"),
                                history=points if history else None)
             for f, points in sorted(by_factory.items())]
 
