@@ -66,11 +66,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import click
 import numpy as np
 
-from client.cli import CLIP_NORM
 from client.config import AgentConfig
 from client.data import DataRequest
 from client.personal import global_clearly_better
 from client.trainer import FactoryTrainer, data_request_from
+from common.clip import parse_clip_norm
 from common.data import datasets, synth
 from common.data.classes import format_classes, parse_classes
 from common.data.datasets import ImageDataset
@@ -304,9 +304,9 @@ class Bench:
 def clip_norm(value: str) -> float | str:
     """``--dp-max-grad-norm`` as `fedforge client` reads it, refused as argparse refuses."""
     try:
-        return CLIP_NORM.convert(value, None, None)
-    except click.BadParameter as exc:
-        raise argparse.ArgumentTypeError(exc.format_message()) from None
+        return parse_clip_norm(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def served_vs_local(pairs: list[tuple[float, float]]) -> str:

@@ -9,33 +9,13 @@ from pathlib import Path
 import click
 
 from client.config import DEFAULT_CLASSES, AgentConfig
+from common.clip import CLIP_NORM
 from common.procs import ProcessSet, free_port, keep_running, supernode_command, supernode_env
 
 log = logging.getLogger("fedforge.client")
 STABLE_SECONDS = 60.0  # a SuperNode that ran this long had connected: its next exit starts the backoff afresh
 MAX_RESTART_DELAY = 8  # seconds between SuperNode restarts, at most
 
-
-class ClipNorm(click.ParamType):
-    """``--dp-max-grad-norm``: a positive number, or ``public`` (`client.privacy.PrivacyBudget.clip_norm`)."""
-
-    name = "NORM|public"
-
-    def convert(self, value, param, ctx):  # type: ignore[no-untyped-def]
-        from client.privacy import PUBLIC_NORM
-
-        if isinstance(value, str) and value.strip().lower() == PUBLIC_NORM:
-            return PUBLIC_NORM
-        try:
-            norm = float(value)
-        except (TypeError, ValueError):
-            self.fail(f"{value!r} is neither a number nor {PUBLIC_NORM!r}", param, ctx)
-        if not 0 < norm < float("inf"):
-            self.fail(f"{value!r} must be a positive number or {PUBLIC_NORM!r}", param, ctx)
-        return norm
-
-
-CLIP_NORM = ClipNorm()
 
 factory_id_option = click.option("--factory-id", required=True, help="This factory's name, as the server and dashboard show it.")
 

@@ -25,12 +25,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from common.clip import PUBLIC_NORM
+
 
 class BudgetExhausted(RuntimeError):
     """Training this round would exceed the factory's privacy budget; nothing is trained or sent."""
-
-
-PUBLIC_NORM = "public"  # --dp-max-grad-norm public: the clipping norm from the public images (PrivacyBudget.clip_norm)
 
 
 @dataclass(frozen=True)
@@ -65,9 +64,10 @@ class PrivacyBudget:
 
         ``public`` (opt-in): the one full-batch step of --dp-secure-sum within a public subspace clips at
         ``public_feature_norm``, the median norm of the public images' coordinates there
-        (`client.subspace.PublicSubspace.feature_norm`), about the median per-example gradient norm, so that most examples
-        keep their own gradient's size instead of all being cut to the same norm; every other DP path clips at 1.0.
-        Measured at epsilon 8, three seeds (docs/benchmarks.md): with 5 factories of about 540 images 2.5 points above
+        (`client.subspace.PublicSubspace.feature_norm`). An example's gradient there is its residual p - y (norm at most
+        sqrt 2) times that input, so most examples keep their own gradient's size instead of all being cut to the same
+        norm; every other DP path clips at 1.0.
+        Measured at epsilon 8, three seeds (docs/benchmarks.md): with 5 factories of about 540 images 2 to 2.5 points above
         clipping at 1, with 4 factories of about 270 images 4 points below (a larger norm also means more noise, which fewer
         images cannot outweigh), hence opt-in. The norm comes from public images only, so it costs no privacy; the noise
         scales with it, so a public set chosen badly costs accuracy, never privacy."""

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from common.clip import CLIP_NORM
 from common.procs import ProcessSet
 from server import launch
 from server.cli import parse_overrides
@@ -48,6 +49,8 @@ console = Console(stderr=True)
 @click.option("--epsilon", default=8.0, type=float, help="With --dp: each factory's privacy budget epsilon_max.")
 @click.option("--dp-secure-sum/--no-dp-secure-sum", default=False, help="With --dp: the factories share the secure sum's DP noise "
               "(one DP step per round, default rounds 30; docs/security.md says what it assumes).")
+@click.option("--dp-max-grad-norm", default="1.0", type=CLIP_NORM, help="With --dp: the factories' per-example clipping norm, or public: "
+              "with --dp-secure-sum, the public proxy images' feature norm (docs/operations.md).")
 @click.option("--dashboard-port", default=0, type=int, help="Dashboard port (0: a free one); its URL is printed.")
 @click.option("--admin-token", default=None, envvar="FEDFORGE_ADMIN_TOKEN", help="Dashboard admin token (default: a random one, printed).")
 @click.option("--parallelism", default="none", type=click.Choice(["none", "ddp", "fsdp"]), help="Local training in a DDP/FSDP worker group.")
@@ -60,7 +63,7 @@ console = Console(stderr=True)
 @click.option("--set", "overrides", multiple=True, help="Any other run-config key, e.g. --set distill-epochs=10 (repeatable).")
 def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str, json_path: str | None, architecture: str,
          train_size: int, alpha: float, min_factories: int | None, round_timeout: float, lr: float, secure: bool, dp: bool, epsilon: float,
-         dp_secure_sum: bool, parallelism: str, local_world_size: int, dashboard_port: int, admin_token: str | None, distill: str, architectures: str,
+         dp_secure_sum: bool, dp_max_grad_norm: float | str, parallelism: str, local_world_size: int, dashboard_port: int, admin_token: str | None, distill: str, architectures: str,
          overrides: tuple[str, ...]) -> None:
     """Run a local demo federation over real Flower processes on 127.0.0.1."""
     archs = [a.strip() for a in architectures.split(",") if a.strip()]
@@ -88,7 +91,7 @@ def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str
         **parse_overrides(overrides),
     }
     with ProcessSet(root / "logs") as procs:
-        flags = ["--dp", "--dp-epsilon", str(epsilon), "--dp-planned-rounds", str(rounds)] if dp else []
+        flags = ["--dp", "--dp-epsilon", str(epsilon), "--dp-planned-rounds", str(rounds), "--dp-max-grad-norm", str(dp_max_grad_norm)] if dp else []
         flags += ["--dp-secure-sum"] if dp_secure_sum else []
         flags += ["--parallelism", parallelism, "--local-world-size", str(local_world_size)]
         if not secure:  # the factories must agree to answer in plaintext: they require secure aggregation by default

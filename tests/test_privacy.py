@@ -137,7 +137,7 @@ def test_the_clipping_norm_is_the_factorys_number_or_from_public_images_only_und
 def test_the_clip_option_reads_a_number_or_public_and_refuses_anything_else(given, expected):
     import click
 
-    from client.cli import CLIP_NORM
+    from common.clip import CLIP_NORM
 
     assert CLIP_NORM.convert(given, None, None) == expected
     for bad in ("auto", "0", "-2", "inf", "nan"):
