@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from common.clip import PUBLIC_NORM
+from common.clip import PUBLIC_NORM, parse_clip_norm
 
 
 class BudgetExhausted(RuntimeError):
@@ -52,7 +52,11 @@ class PrivacyBudget:
             raise ValueError(f"--dp-epsilon must be a positive number, got {self.epsilon_max}")
         if not 0 < self.delta < 1:
             raise ValueError(f"--dp-delta must be in (0, 1), got {self.delta}")
-        if not (self.max_grad_norm == PUBLIC_NORM or (isinstance(self.max_grad_norm, (int, float)) and 0 < self.max_grad_norm < math.inf)):
+        try:  # the option's own rule (common.clip), on a value already in its parsed form
+            parsed = parse_clip_norm(self.max_grad_norm) == self.max_grad_norm
+        except ValueError:
+            parsed = False
+        if not parsed:
             raise ValueError(f"--dp-max-grad-norm must be a positive number or {PUBLIC_NORM!r}, got {self.max_grad_norm!r}")
         if self.planned_rounds < 1:
             raise ValueError(f"--dp-planned-rounds must be >= 1, got {self.planned_rounds}")

@@ -48,7 +48,7 @@ def test_the_subspace_is_the_top_principal_directions_scaled_and_the_same_every_
 
 
 def test_the_public_feature_norm_is_the_median_norm_of_the_public_coordinates_with_the_bias_input():
-    """What an example's gradient norm in the subspace head scales with, from the public images alone (the auto clipping norm)."""
+    """What an example's gradient norm in the subspace head scales with, from the public images alone (--dp-max-grad-norm public)."""
     x = np.random.default_rng(3).normal(size=(101, 20)) * 4.0
     sub = fit_subspace(x, 6, whitening=0.5)
     z = (x - sub.mean.astype(np.float64)) @ sub.basis.astype(np.float64)
