@@ -159,8 +159,11 @@ class Folders:
         if len(factories) < 2 or missing:
             raise SystemExit(f"--folders {root}: expected two or more <factory>/train and <factory>/test folders"
                              + (f"; missing {missing}" if missing else f", found {[d.name for d in factories]}"))
-        found = sorted({c.name for d in factories for part in ("train", "test") for c in (d / part).iterdir() if c.is_dir()})
         central = root / "test" if (root / "test").is_dir() else None
+        # every class folder of the factories and of the central test set: a class no factory holds is still a class the
+        # global model is tested on (and gets wrong), not a reason to refuse the run
+        parts = [d / part for d in factories for part in ("train", "test")] + ([central] if central else [])
+        found = sorted({c.name for part in parts for c in part.iterdir() if c.is_dir()})
         proxy = root / "proxy" if (root / "proxy").is_dir() else None
         return cls(factories, central, parse_classes(classes) if classes else tuple(found), proxy)
 

@@ -91,6 +91,31 @@ def test_rgb_and_odd_sizes_are_letterboxed_not_cropped(tmp_path):
     assert read_image(tmp_path / "tiny.bmp", 64).shape == (1, 64, 64)
 
 
+def test_sixteen_bit_and_float_camera_images_keep_their_range(tmp_path):
+    """A 16-bit grey PNG or TIFF (an industrial camera's) reads as its 8-bit copy does, not clipped white as Pillow's
+    convert("L") would make it; a float TIFF in [0, 1] too; pixel values beyond the container's range are refused by name."""
+    from common.data.images import ImageError, decode_image_bytes
+
+    ramp = np.linspace(0, 65535, 40 * 60).reshape(40, 60).astype(np.uint16)
+    Image.fromarray((ramp // 257).astype(np.uint8)).save(tmp_path / "eight.png")
+    eight = read_image(tmp_path / "eight.png", 32)
+    for name, image in (("sixteen.png", Image.fromarray(ramp)), ("sixteen.tif", Image.fromarray(ramp)),
+                        ("float.tif", Image.fromarray((ramp / 65535).astype(np.float32)))):
+        image.save(tmp_path / name)
+        grey = read_image(tmp_path / name, 32)
+        assert grey.shape == (1, 32, 32) and grey.dtype == np.float32
+        assert np.abs(grey - eight).max() < 0.01, name  # the same picture, letterboxed alike, not clipped at 255
+        rgb = read_image(tmp_path / name, 32, channels=3)
+        assert rgb.shape == (3, 32, 32) and np.array_equal(rgb[0], rgb[2]) and np.allclose(rgb[0], grey[0])
+    assert np.allclose(decode_image_bytes((tmp_path / "sixteen.png").read_bytes(), 32), read_image(tmp_path / "sixteen.png", 32))
+    Image.fromarray(ramp.astype(np.float32)).save(tmp_path / "counts.tif")  # float pixels that are not in [0, 1]
+    with pytest.raises(ImageError, match=r"counts\.tif: float \(F\) image with pixel values in \[0, 65535\]"):
+        read_image(tmp_path / "counts.tif", 32)
+    Image.fromarray(ramp.astype(np.int32) * 10).save(tmp_path / "wide.tif")  # 32-bit integers beyond 16 bits
+    with pytest.raises(ImageError, match=r"wide\.tif: .*expected 8- or 16-bit"):
+        read_image(tmp_path / "wide.tif", 32)
+
+
 def test_truncated_and_garbage_files_are_skipped_by_name(tmp_path, caplog):
     for i in range(2):
         _write(tmp_path / "ok" / f"{i}.png")
@@ -206,3 +231,23 @@ def test_a_recipe_keeps_its_own_training_keys_under_set(monkeypatch):
         training = recipe.with_settings(overrides).federation(0).training
         assert training.head_proximal_mu == 1.0 and training.public_subspace == overrides.get("public-subspace", 40)
     assert recipe.with_settings({"head-proximal-mu": 0.5}).federation(0).training.head_proximal_mu == 0.5
+
+
+def test_the_quality_bench_takes_a_class_only_the_central_test_set_holds(monkeypatch, tmp_path):
+    """A class that no factory's folders hold but ROOT/test does (a defect no line has seen yet) is one of the run's
+    classes, which the global model is scored on, not a folder the bench refuses as fitting no class."""
+    import importlib
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    quality = importlib.import_module("quality")
+    for factory, classes in (("plant-a", ("bolt", "nut")), ("plant-b", ("nut",))):
+        for part in ("train", "test"):
+            for name in classes:
+                _write(tmp_path / factory / part / name / "0.png")
+    for name in ("bolt", "washer"):
+        _write(tmp_path / "test" / name / "0.png")
+    folders = quality.Folders.at(tmp_path)
+    assert folders.classes == ("bolt", "nut", "washer") and folders.central_test == tmp_path / "test"
+    central = folders.test_set(folders.central_test, 32, 1)
+    assert sorted(central.labels.tolist()) == [0, 2]

@@ -9,6 +9,12 @@ and an inspection station's request are resized the same way:
   were. Square images are simply resized.
 - **Channels.** ``channels=1`` converts to 8-bit grey (ITU-R 601 luma), ``channels=3`` to RGB (a grey
   image is replicated into three equal channels).
+- **Bit depth.** 8-bit images (and palette, bilevel, CMYK...) go through Pillow's conversion. Grey images of
+  more bits, as industrial cameras write them, are scaled by their container's range: 16-bit (``I;16``, and
+  ``I`` with values within 0..65535) by 65535, float (``F``) taken as it is when within [0, 1]. Pillow's own
+  ``convert("L")`` clips such pixels at 255, which turns a 16-bit image white; values outside those ranges are
+  refused naming the file, never guessed. A 12-bit camera that fills only part of a 16-bit container gives dark
+  images: consistently so for training and inspection, but scale them at export for the pretrained backbone.
 - Values are float32 in [0, 1], shape (channels, size, size).
 """
 
@@ -34,11 +40,39 @@ def _mode(channels: int) -> str:
     return "L" if channels == 1 else "RGB"
 
 
+HIGH_DEPTH_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I", "F"})
+SIXTEEN_BIT = 65535.0
+
+
+def _unit_grey(img: object) -> object:
+    """A grey image of more than 8 bits (``HIGH_DEPTH_MODES``) as a float image (mode ``F``) in [0, 1], scaled by its
+    container's range; raises `ImageError` for values that fit no known range (see the module doc)."""
+    from PIL import Image
+
+    assert isinstance(img, Image.Image)
+    values = np.asarray(img, dtype=np.float64) if img.mode != "I;16B" else np.asarray(img.convert("I"), dtype=np.float64)
+    if values.size and not np.isfinite(values).all():
+        raise ImageError(f"{img.mode} image holds NaN or infinite pixels")
+    low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
+    if img.mode == "F":
+        if low < 0.0 or high > 1.0:
+            raise ImageError(f"float (F) image with pixel values in [{low:g}, {high:g}]; expected [0, 1]")
+        scale = 1.0
+    else:
+        if low < 0.0 or high > SIXTEEN_BIT:
+            raise ImageError(f"{img.mode} image with pixel values in [{low:g}, {high:g}]; expected 8- or 16-bit (0..65535)")
+        scale = SIXTEEN_BIT
+    return Image.fromarray((values / scale).astype(np.float32), mode="F")
+
+
 def to_array(img: object, size: int, channels: int) -> np.ndarray:
     """A decoded PIL image -> float32 (channels, size, size) in [0, 1] (letterboxed, see the module doc)."""
     from PIL import Image
 
     assert isinstance(img, Image.Image)
+    _mode(channels)
+    if img.mode in HIGH_DEPTH_MODES:
+        return _letterboxed_unit_grey(_unit_grey(img), size, channels)
     img = img.convert(_mode(channels))
     w, h = img.size
     if w == h:
@@ -55,6 +89,24 @@ def to_array(img: object, size: int, channels: int) -> np.ndarray:
     return array[None] if channels == 1 else np.ascontiguousarray(array.transpose(2, 0, 1))
 
 
+def _letterboxed_unit_grey(img: object, size: int, channels: int) -> np.ndarray:
+    """`to_array` for a float grey image in [0, 1] (mode ``F``): the same letterbox, without rounding to 8 bits."""
+    from PIL import Image
+
+    assert isinstance(img, Image.Image)
+    w, h = img.size
+    if w == h:
+        out = img.resize((size, size), Image.BILINEAR)
+    else:
+        scale = size / max(w, h)
+        nw, nh = max(1, round(w * scale)), max(1, round(h * scale))
+        resized = img.resize((nw, nh), Image.BILINEAR)
+        out = Image.new("F", (size, size), float(np.asarray(resized, dtype=np.float64).mean()))
+        out.paste(resized, ((size - nw) // 2, (size - nh) // 2))
+    grey = np.clip(np.asarray(out, dtype=np.float32), 0.0, 1.0)[None]
+    return grey if channels == 1 else np.repeat(grey, 3, axis=0)
+
+
 def _decode(source: object, size: int, channels: int, name: str) -> np.ndarray:
     from PIL import Image, UnidentifiedImageError
 
@@ -63,7 +115,10 @@ def _decode(source: object, size: int, channels: int, name: str) -> np.ndarray:
             if img.width * img.height > MAX_PIXELS:
                 raise ImageError(f"{name}: {img.width}x{img.height} pixels exceeds the {MAX_PIXELS} pixel limit")
             img.load()  # raises on truncated files (LOAD_TRUNCATED_IMAGES stays off)
-            return to_array(img, size, channels)
+            try:
+                return to_array(img, size, channels)
+            except ImageError as exc:
+                raise ImageError(f"{name}: {exc}") from exc
     except ImageError:
         raise
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
