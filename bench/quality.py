@@ -14,7 +14,10 @@ bench/secagg.py cover it). For every setting the baselines run on the *same* dat
 - local only: each factory trains alone for as many epochs, from the same initial model;
 - served: what a factory's inspection would serve after the run (its personal model, unless the global
   model validates clearly better on its held-out split: `client.personal`), judged on a separate test
-  set drawn from that factory's own distribution (its optics, its label mix).
+  set drawn from that factory's own distribution (its optics, its label mix);
+- centralised: at each factory, the pooled model predicting with that factory's label prior added to its
+  logits (what a site that could see every image would serve there), scored like the served model. Where
+  it does not beat local-only either, other factories' images do not help that factory on this data.
 
 With `--dp` the first recipe also runs with DP-SGD at epsilon 8 per factory: its global model, and
 what each factory then serves. The personal model never leaves its factory and is trained without
@@ -65,12 +68,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import click
 import numpy as np
+import torch
+from torch import nn
 
 from client.config import AgentConfig
 from client.data import DataRequest
 from client.personal import global_clearly_better
 from client.trainer import FactoryTrainer, data_request_from
-from common.clip import parse_clip_norm
+from common.clip import DEFAULT_CLIP_NORM, parse_clip_norm
 from common.data import datasets, synth
 from common.data.classes import format_classes, parse_classes
 from common.data.datasets import ImageDataset
@@ -78,7 +83,7 @@ from common.data.folder import load_image_folder, load_unlabelled_folder
 from common.distill import ProxySet
 from common.features import FeatureCache, array_keys, features_of
 from common.models import build_model, federated_part, is_pretrained, load_weights, weights_of
-from common.training import TrainConfig, evaluate, set_torch_threads, train
+from common.training import TrainConfig, evaluate, predict_logits, prior_adjustment, set_torch_threads, train
 from server.aggregate import FactoryUpdate, fedavg
 from server.cli import parse_overrides
 from server.config import SECURE_SUM_DP_ROUNDS, FederationConfig
@@ -183,7 +188,7 @@ def factory_test_set(spec: datasets.SyntheticSpec, index: int, size: int) -> Ima
 class Bench:
     def __init__(self, seed: int, factories: int, alpha: float, train_size: int, workdir: Path, tag: str, dp_epsilon: float = 0.0,
                  rounds: int = 1, folders: Folders | None = None, public: bool = True, secure_sum: bool = False, channels: int = 1,
-                 image_size: int = 0, max_grad_norm: float | str = 1.0) -> None:
+                 image_size: int = 0, max_grad_norm: float | str = DEFAULT_CLIP_NORM) -> None:
         spec = datasets.SyntheticSpec(seed=seed, num_factories=factories, alpha=alpha, train_size=train_size)
         self.spec = replace(spec, image_size=image_size) if image_size else spec
         self.seed, self.folders, self.channels = seed, folders, channels
@@ -288,20 +293,30 @@ class Bench:
                              self.classes)
         factory_of = np.concatenate([np.full(len(s), i) for i, s in enumerate(splits)])
 
-        def pooled_with(tau: float) -> float:
+        def pooled_with(tau: float) -> tuple[float, nn.Module]:
             model = self.model(recipe.architecture, self.seed)
             train(federated_part(model), self.inputs(model, recipe.architecture, union), replace(cfg, logit_adjustment=tau), groups=factory_of)
-            return evaluate(federated_part(model), self.inputs(model, recipe.architecture, self.test)).accuracy
+            return evaluate(federated_part(model), self.inputs(model, recipe.architecture, self.test)).accuracy, model
 
-        pooled = pooled_with(tau)
-        pooled_plain = pooled_with(0.0) if tau > 0 else pooled
-        local = []
+        pooled, pooled_model = pooled_with(tau)
+        pooled_plain = pooled_with(0.0)[0] if tau > 0 else pooled
+        local, pooled_at_factory = [], []
         for i, split in enumerate(splits):
             model = self.model(recipe.architecture, self.seed)
             train(federated_part(model), self.inputs(model, recipe.architecture, split), replace(cfg, seed=self.seed * 10 + i))
             local.append(evaluate(federated_part(model), self.inputs(model, recipe.architecture, self.factory_tests[i])).accuracy)
-        return {"pooled": pooled, "pooled_plain": pooled_plain, "pooled_tau": tau, "local": local,
+            own_prior = prior_adjustment(np.bincount(np.asarray(split.labels, dtype=np.int64), minlength=len(self.classes)), tau)
+            pooled_at_factory.append(self.accuracy_with_prior(recipe.architecture, pooled_model, self.factory_tests[i], own_prior))
+        return {"pooled": pooled, "pooled_plain": pooled_plain, "pooled_tau": tau, "local": local, "pooled_at_factory": pooled_at_factory,
                 "factory_test_images": [len(t) for t in self.factory_tests]}
+
+    def accuracy_with_prior(self, arch: str, model: nn.Module, data: ImageDataset, prior: torch.Tensor) -> float:
+        """The centralised reference at a factory: the pooled model (trained on everyone's images, each adjusted by its own
+        factory's prior) predicting with this factory's label prior added to its logits, as a model trained on this
+        factory's mix would. What a site that could see every image would serve this factory: where even it does not beat
+        the factory's local-only model, the images other factories hold do not help there, whatever the federation does."""
+        logits = predict_logits(federated_part(model), self.inputs(model, arch, data)) + prior.numpy()
+        return float((logits.argmax(1) == np.asarray(data.labels)).mean()) if len(data) else 0.0
 
 
 def clip_norm(value: str) -> float | str:
@@ -329,8 +344,8 @@ def main() -> None:
     p.add_argument("--dp", action="store_true", help="also run the first recipe with DP-SGD at epsilon 8 per factory over the run")
     p.add_argument("--no-public", action="store_true", help="with --dp: no public proxy set, DP-SGD trains the whole head")
     p.add_argument("--dp-secure-sum", action="store_true", help="with --dp: the factories share the secure sum's DP noise (--dp-secure-sum)")
-    p.add_argument("--dp-max-grad-norm", type=clip_norm, default=1.0, help="with --dp: the factories' --dp-max-grad-norm (a number, or "
-                   "public: with --dp-secure-sum the public images' feature norm)")
+    p.add_argument("--dp-max-grad-norm", type=clip_norm, default=DEFAULT_CLIP_NORM, help="with --dp: the factories' --dp-max-grad-norm "
+                   "(a number, or public, the default: with --dp-secure-sum a fifth of the public images' feature norm, else 1.0)")
     p.add_argument("--dp-rounds", type=int, default=0, help="with --dp: rounds of the DP run (default: 30 with --dp-secure-sum, else the recipe's)")
     p.add_argument("--train-size", type=int, default=600)
     p.add_argument("--threads", type=int, default=2)
@@ -402,8 +417,9 @@ def print_tables(a: argparse.Namespace, rows: list[dict], overrides: dict[str, o
         print("Set for every factory: " + ", ".join(f"{k} = {v}" for k, v in sorted(overrides.items())))
         print()
     print("| setting | recipe | global | pooled | pooled, plain | global/pooled | served > local at every factory | served vs local: better / tied "
-          "(at 1.000) / worse | served - local (min) | DP global | DP served - served (mean, min) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "(at 1.000) / worse | served - local (min) | DP global | DP served - served (mean, min) | centralised vs local: better / tied "
+          "(at 1.000) / worse |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for setting in a.settings.split(","):
         for key in a.recipes.split(","):
             rs = [r for r in rows if r["setting"] == setting and r["recipe"] == RECIPES[key].name]
@@ -416,15 +432,19 @@ def print_tables(a: argparse.Namespace, rows: list[dict], overrides: dict[str, o
                 cost = [d - s for r in rs for d, s in zip(r["dp_served"], r["served"])]
                 dp_columns = f"{statistics.mean(r['dp_accuracy'] for r in rs):.3f} | {statistics.mean(cost):+.3f}, {min(cost):+.3f} |"
             plain = statistics.mean(r["pooled_plain"] for r in rs)
+            central = served_vs_local([(c, loc) for r in rs for c, loc in zip(r["pooled_at_factory"], r["local"])])
             print(f"| {setting} | {RECIPES[key].name} | {g:.3f} | {pooled:.3f} | {plain:.3f} | {g / pooled:.2f} | {better}/{len(rs)} seeds | {counts} | {margin:+.3f} | "
-                  + dp_columns)
+                  + dp_columns + f" {central} |")
     print()
-    print("Served - local-only, in test images of each factory's own test set (factories in order; * : local-only already 1.000):")
+    print("Served - local-only, in test images of each factory's own test set (factories in order; * : local-only already 1.000), and the")
+    print("same for the centralised reference (the pooled model with the factory's own prior: what a site seeing every image would serve):")
     print()
-    print("| setting | recipe | seed | served - local per factory |")
-    print("| --- | --- | --- | --- |")
+    print("| setting | recipe | seed | served - local per factory | centralised - local per factory |")
+    print("| --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['setting']} | {r['recipe']} | {r['seed']} | {images_gained(r['served'], r['local'], r['factory_test_images'])} |")
+        images = r["factory_test_images"]
+        print(f"| {r['setting']} | {r['recipe']} | {r['seed']} | {images_gained(r['served'], r['local'], images)} | "
+              f"{images_gained(r['pooled_at_factory'], r['local'], images)} |")
 
 
 def images_gained(served: list[float], local: list[float], images: list[int]) -> str:

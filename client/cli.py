@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from client.config import DEFAULT_CLASSES, AgentConfig
-from common.clip import CLIP_NORM
+from common.clip import CLIP_NORM, DEFAULT_CLIP_NORM
 from common.procs import ProcessSet, free_port, keep_running, supernode_command, supernode_env
 
 log = logging.getLogger("fedforge.client")
@@ -72,8 +72,8 @@ def agent_options(f):  # type: ignore[no-untyped-def]
         click.option("--dp/--no-dp", default=False, help="Train with DP-SGD (Opacus) under this factory's privacy budget."),
         click.option("--dp-epsilon", default=8.0, type=float, help="Privacy budget epsilon_max over all rounds and runs."),
         click.option("--dp-delta", default=1e-5, type=float, help="Privacy budget delta."),
-        click.option("--dp-max-grad-norm", default="1.0", type=CLIP_NORM, help="Per-sample gradient clipping bound, or public: with "
-                     "--dp-secure-sum in a public subspace, the median norm of the public proxy images' features there (else 1.0)."),
+        click.option("--dp-max-grad-norm", default=DEFAULT_CLIP_NORM, type=CLIP_NORM, help="Per-sample gradient clipping bound, or "
+                     "public: with --dp-secure-sum in a public subspace, a fifth of the public proxy images' feature norm there, else 1.0."),
         click.option("--dp-planned-rounds", default=20, type=int, help="Rounds the budget is planned for (sets the noise)."),
         click.option("--dp-grad-sample-mode", default="hooks", type=click.Choice(["hooks", "ew", "functorch", "ghost"]), help="Opacus per-sample gradient mode."),
         click.option("--dp-fix-model/--no-dp-fix-model", default=False, help="Replace BatchNorm by GroupNorm instead of refusing the model."),

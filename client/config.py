@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.clip import DEFAULT_CLIP_NORM
 from common.data.synth import CLASSES
 
 DEFAULT_CLASSES = ",".join(CLASSES)
@@ -53,7 +54,7 @@ class AgentConfig:
     dp: bool = False
     dp_epsilon: float = 8.0
     dp_delta: float = 1e-5
-    dp_max_grad_norm: float | str = 1.0  # or "public" (client.privacy.PrivacyBudget.clip_norm)
+    dp_max_grad_norm: float | str = DEFAULT_CLIP_NORM  # "public" or a number (client.privacy.PrivacyBudget.clip_norm)
     dp_planned_rounds: int = 20
     dp_grad_sample_mode: str = "hooks"
     dp_fix_model: bool = False

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from common.clip import PUBLIC_NORM, parse_clip_norm
+from common.clip import DEFAULT_CLIP_NORM, PUBLIC_NORM, PUBLIC_NORM_FRACTION, parse_clip_norm
 
 
 class BudgetExhausted(RuntimeError):
@@ -36,8 +36,8 @@ class BudgetExhausted(RuntimeError):
 class PrivacyBudget:
     epsilon_max: float
     delta: float
-    # Per-example clipping norm, or PUBLIC_NORM: from public images (`clip_norm`)
-    max_grad_norm: float | str = 1.0
+    # Per-example clipping norm, or PUBLIC_NORM: from public images where there are some, else 1.0 (`clip_norm`)
+    max_grad_norm: float | str = DEFAULT_CLIP_NORM
     planned_rounds: int = 20  # the noise is chosen so that this many rounds fit the budget
     grad_sample_mode: str = "hooks"  # hooks | ew | functorch | ghost (ghost_fsdp under FSDP)
     # One full-batch DP step per round whose noise this factory shares with the other honest inputs of the secure sum
@@ -64,21 +64,23 @@ class PrivacyBudget:
             raise ValueError(f"--dp-count-noise must be a positive number, got {self.count_noise}")
 
     def clip_norm(self, public_feature_norm: float | None) -> float:
-        """The per-example clipping norm of this round's DP training: the number set with --dp-max-grad-norm (default 1.0).
+        """The per-example clipping norm of this round's DP training: the number set with --dp-max-grad-norm, or for
+        ``public`` (the default) the following.
 
-        ``public`` (opt-in): the one full-batch step of --dp-secure-sum within a public subspace clips at
+        The one full-batch step of --dp-secure-sum within a public subspace clips at `PUBLIC_NORM_FRACTION` (a fifth) of
         ``public_feature_norm``, the median norm of the public images' coordinates there
         (`client.subspace.PublicSubspace.feature_norm`). An example's gradient there is its residual p - y (norm at most
-        sqrt 2) times that input, so most examples keep their own gradient's size instead of all being cut to the same
-        norm; every other DP path clips at 1.0.
-        Measured at epsilon 8, three seeds (docs/benchmarks.md): with 5 factories of about 540 images 2 to 2.5 points above
-        clipping at 1, with 4 factories of about 270 images 4 points below (a larger norm also means more noise, which fewer
-        images cannot outweigh), hence opt-in. The norm comes from public images only, so it costs no privacy; the noise
-        scales with it, so a public set chosen badly costs accuracy, never privacy."""
+        sqrt 2) times that input, so an example the model is already fairly sure of (residual below a fifth) keeps its
+        own gradient's size while the others are cut to the same norm. Every other DP path clips at 1.0.
+        Measured at epsilon 8, three seeds, five data sets (docs/benchmarks.md): a fifth of the norm scored 1 to 3.5 points
+        above clipping at 1 on three of them and within a point on the other two, while the whole norm lost 3 to 4 points
+        where factories hold few images (its noise, proportional to the norm, outweighs their signal). A fraction of the
+        norm, not a number, because the features' scale is the backbone's. The norm comes from public images only, so it
+        costs no privacy; the noise scales with it, so a public set chosen badly costs accuracy, never privacy."""
         if self.max_grad_norm != PUBLIC_NORM:
             return float(self.max_grad_norm)
         if self.secure_sum and public_feature_norm is not None:
-            return float(public_feature_norm)
+            return PUBLIC_NORM_FRACTION * float(public_feature_norm)
         return 1.0
 
     @property

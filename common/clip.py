@@ -1,7 +1,8 @@
 """The per-example clipping norm option, ``--dp-max-grad-norm``, read alike by ``fedforge client``, ``fedforge demo`` and the benches.
 
-A positive number, or ``public``: the one full-batch step of ``--dp-secure-sum`` in a public subspace clips at the
-public images' feature norm there (`client.privacy.PrivacyBudget.clip_norm` says when and why).
+A positive number, or ``public`` (the default): the one full-batch step of ``--dp-secure-sum`` in a public subspace clips
+at `PUBLIC_NORM_FRACTION` of the public images' feature norm there, every other DP path at 1.0
+(`client.privacy.PrivacyBudget.clip_norm` says when and why).
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ from typing import Any
 import click
 
 PUBLIC_NORM = "public"
+# The shared-noise step's clipping norm under ``public``, as a fraction of the public feature norm: an example keeps its own
+# gradient while its residual ||p - y|| is below a fifth, i.e. while the model is already fairly sure of it (docs/benchmarks.md)
+PUBLIC_NORM_FRACTION = 0.2
+DEFAULT_CLIP_NORM = PUBLIC_NORM
 
 
 def parse_clip_norm(value: Any) -> float | str:

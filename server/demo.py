@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from common.clip import CLIP_NORM
+from common.clip import CLIP_NORM, DEFAULT_CLIP_NORM
 from common.procs import ProcessSet
 from server import launch
 from server.cli import parse_overrides
@@ -49,8 +49,8 @@ console = Console(stderr=True)
 @click.option("--epsilon", default=8.0, type=float, help="With --dp: each factory's privacy budget epsilon_max.")
 @click.option("--dp-secure-sum/--no-dp-secure-sum", default=False, help="With --dp: the factories share the secure sum's DP noise "
               "(one DP step per round, default rounds 30; docs/security.md says what it assumes).")
-@click.option("--dp-max-grad-norm", default="1.0", type=CLIP_NORM, help="With --dp: the factories' per-example clipping norm, or public: "
-              "with --dp-secure-sum, the public proxy images' feature norm (docs/operations.md).")
+@click.option("--dp-max-grad-norm", default=DEFAULT_CLIP_NORM, type=CLIP_NORM, help="With --dp: the factories' per-example clipping norm, or "
+              "public: with --dp-secure-sum, a fifth of the public proxy images' feature norm, else 1.0 (docs/operations.md).")
 @click.option("--dashboard-port", default=0, type=int, help="Dashboard port (0: a free one); its URL is printed.")
 @click.option("--admin-token", default=None, envvar="FEDFORGE_ADMIN_TOKEN", help="Dashboard admin token (default: a random one, printed).")
 @click.option("--parallelism", default="none", type=click.Choice(["none", "ddp", "fsdp"]), help="Local training in a DDP/FSDP worker group.")

@@ -185,9 +185,13 @@ def test_the_quality_bench_compares_on_your_own_folders(tmp_path):
     assert better + tied + worse == 2 and "(" in cells[7], row
     dp_mean, dp_worst = (float(v) for v in cells[10].split(","))  # DP served - served: mean, worst factory
     assert 0.0 <= float(cells[9]) <= 1.0 and -1.0 <= dp_worst <= dp_mean <= 1.0, row
-    gained = next(line for line in run.stdout.splitlines() if line.startswith("| folders |") and line.count("|") == 5)
+    gained = next(line for line in run.stdout.splitlines() if line.startswith("| folders |") and line.count("|") == 6)
     per_factory = [int(v.rstrip("*")) for v in gained.strip("|").split("|")[3].split()]  # served - local in test images, per factory
     assert len(per_factory) == 2 and sum(v > 0 for v in per_factory) == better and sum(v < 0 for v in per_factory) == worse, gained
+    # the centralised reference (the pooled model with each factory's prior), counted and listed like the served model
+    c_better, c_tied, c_worse = (int(v.split("(")[0]) for v in cells[11].split(" / "))
+    central = [int(v.rstrip("*")) for v in gained.strip("|").split("|")[4].split()]
+    assert len(central) == 2 and (sum(v > 0 for v in central), sum(v == 0 for v in central), sum(v < 0 for v in central)) == (c_better, c_tied, c_worse)
 
     assert '"dp_subspace_dims": 19' in run.stdout  # the run's 40 directions, capped by the 20 public images' rank
 

@@ -125,12 +125,15 @@ def test_invalid_budget_is_rejected():
 
 
 def test_the_clipping_norm_is_the_factorys_number_or_from_public_images_only_under_shared_noise():
-    """public: the public feature norm for --dp-secure-sum's step in a public subspace, 1.0 for every other DP path."""
-    assert PrivacyBudget(8, 1e-5, max_grad_norm="public", secure_sum=True).clip_norm(11.5) == 11.5
+    """public (the default): a fifth of the public feature norm for --dp-secure-sum's step in a public subspace, 1.0 for
+    every other DP path; a number is used as it is on every path."""
+    assert PrivacyBudget(8, 1e-5, max_grad_norm="public", secure_sum=True).clip_norm(11.5) == pytest.approx(2.3)
+    assert PrivacyBudget(8, 1e-5, secure_sum=True).clip_norm(11.5) == pytest.approx(2.3)  # the default is public
     assert PrivacyBudget(8, 1e-5, max_grad_norm="public", secure_sum=True).clip_norm(None) == 1.0  # no public subspace (the whole head)
     assert PrivacyBudget(8, 1e-5, max_grad_norm="public").clip_norm(11.5) == 1.0  # local DP-SGD
-    assert PrivacyBudget(8, 1e-5, secure_sum=True).clip_norm(11.5) == 1.0  # the default: 1.0
+    assert PrivacyBudget(8, 1e-5).clip_norm(None) == 1.0  # local DP-SGD of the whole head, by default
     assert PrivacyBudget(8, 1e-5, max_grad_norm=2.0, secure_sum=True).clip_norm(11.5) == 2.0
+    assert PrivacyBudget(8, 1e-5, max_grad_norm=2.0).clip_norm(11.5) == 2.0
 
 
 @pytest.mark.parametrize("given, expected", [("public", "public"), ("PUBLIC", "public"), ("2.5", 2.5), (3, 3.0)])

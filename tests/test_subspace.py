@@ -240,9 +240,10 @@ def test_logit_adjusted_dp_sgd_leans_less_to_the_majority_class():
     assert recall["adjusted"] > recall["plain"] + 0.05, recall  # 0.12-0.15 apart in 14 runs (DP noise and sampling vary)
 
 
-def test_a_secure_sum_step_in_a_public_subspace_clips_at_the_public_feature_norm_in_units_of_it(tmp_path, monkeypatch):
-    """--dp-max-grad-norm public with --dp-secure-sum: clip at the public feature norm, step secure-sum-lr / norm (secure-sum-lr
-    keeps its meaning), and the round reports the norm; a number set by the factory is used as it is, in the same units."""
+def test_a_secure_sum_step_in_a_public_subspace_clips_at_a_fifth_of_the_public_feature_norm_in_units_of_it(tmp_path, monkeypatch):
+    """--dp-max-grad-norm public (the default) with --dp-secure-sum: clip at a fifth of the public feature norm, step
+    secure-sum-lr / norm (secure-sum-lr keeps its meaning), and the round reports the norm; a number set by the factory is
+    used as it is, in the same units."""
     import client.trainer as trainer_module
 
     calls = []
@@ -255,12 +256,13 @@ def test_a_secure_sum_step_in_a_public_subspace_clips_at_the_public_feature_norm
     monkeypatch.setattr(trainer_module, "noisy_gradient_step", spy)
     weights = weights_of(build_model(ARCH, 6, seed=1))
     config = {**CONFIG, "secure-sum-lr": 3.0}
-    for name, norm in (("public", "public"), ("set", 2.5)):
+    for name, norm in (("public", "public"), ("default", None), ("set", 2.5)):
+        given = {} if norm is None else {"dp_max_grad_norm": norm}
         trainer = FactoryTrainer(AgentConfig(factory_id=name, factory_index=0, num_factories=2, train_size=60, dp=True, dp_secure_sum=True,
-                                             dp_max_grad_norm=norm, dp_planned_rounds=3, state_dir=str(tmp_path / name)))
+                                             dp_planned_rounds=3, state_dir=str(tmp_path / name), **given))
         privacy = trainer.train(weights, config, 1, run_id="r", public=_public(), noise_holders=2).privacy
         (sub,) = trainer._subspaces.values()
-        clip = sub.feature_norm if norm == "public" else norm
+        clip = 0.2 * sub.feature_norm if norm in ("public", None) else norm
         assert calls[-1] == (pytest.approx(3.0 / clip), pytest.approx(clip)) and privacy["dp-max-grad-norm"] == pytest.approx(clip)
         trainer.close()
     assert sub.feature_norm > 3  # the pretrained features' scale: not the default 1.0
