@@ -71,40 +71,30 @@ def to_array(img: object, size: int, channels: int) -> np.ndarray:
 
     assert isinstance(img, Image.Image)
     _mode(channels)
-    if img.mode in HIGH_DEPTH_MODES:
-        return _letterboxed_unit_grey(_unit_grey(img), size, channels)
-    img = img.convert(_mode(channels))
-    w, h = img.size
-    if w == h:
-        out = img.resize((size, size), Image.BILINEAR)
-    else:
-        scale = size / max(w, h)
-        nw, nh = max(1, round(w * scale)), max(1, round(h * scale))
-        resized = img.resize((nw, nh), Image.BILINEAR)
-        mean = np.asarray(resized, dtype=np.float32).reshape(nh * nw, -1).mean(axis=0)
-        fill = round(float(mean[0])) if channels == 1 else tuple(round(float(m)) for m in mean)
-        out = Image.new(img.mode, (size, size), fill)
-        out.paste(resized, ((size - nw) // 2, (size - nh) // 2))
-    array = np.asarray(out, dtype=np.float32) / 255.0
+    if img.mode in HIGH_DEPTH_MODES:  # more than 8 bits: letterboxed as floats, never rounded to 8 bits
+        grey = np.clip(np.asarray(_letterbox(_unit_grey(img), size), dtype=np.float32), 0.0, 1.0)[None]
+        return grey if channels == 1 else np.repeat(grey, 3, axis=0)
+    array = np.asarray(_letterbox(img.convert(_mode(channels)), size), dtype=np.float32) / 255.0
     return array[None] if channels == 1 else np.ascontiguousarray(array.transpose(2, 0, 1))
 
 
-def _letterboxed_unit_grey(img: object, size: int, channels: int) -> np.ndarray:
-    """`to_array` for a float grey image in [0, 1] (mode ``F``): the same letterbox, without rounding to 8 bits."""
+def _letterbox(img: object, size: int) -> object:
+    """``img`` (mode L, RGB or F) scaled so that its longer side is ``size``, centred on a square of its own mean colour."""
     from PIL import Image
 
     assert isinstance(img, Image.Image)
     w, h = img.size
     if w == h:
-        out = img.resize((size, size), Image.BILINEAR)
-    else:
-        scale = size / max(w, h)
-        nw, nh = max(1, round(w * scale)), max(1, round(h * scale))
-        resized = img.resize((nw, nh), Image.BILINEAR)
-        out = Image.new("F", (size, size), float(np.asarray(resized, dtype=np.float64).mean()))
-        out.paste(resized, ((size - nw) // 2, (size - nh) // 2))
-    grey = np.clip(np.asarray(out, dtype=np.float32), 0.0, 1.0)[None]
-    return grey if channels == 1 else np.repeat(grey, 3, axis=0)
+        return img.resize((size, size), Image.BILINEAR)
+    scale = size / max(w, h)
+    nw, nh = max(1, round(w * scale)), max(1, round(h * scale))
+    resized = img.resize((nw, nh), Image.BILINEAR)
+    mean = np.asarray(resized, dtype=np.float64).reshape(nh * nw, -1).mean(axis=0)
+    fill: float | int | tuple[int, ...] = (float(mean[0]) if img.mode == "F" else round(float(mean[0])) if img.mode == "L"
+                                           else tuple(round(float(m)) for m in mean))
+    out = Image.new(img.mode, (size, size), fill)
+    out.paste(resized, ((size - nw) // 2, (size - nh) // 2))
+    return out
 
 
 def _decode(source: object, size: int, channels: int, name: str) -> np.ndarray:
