@@ -50,10 +50,10 @@ def _unit_grey(img: object) -> object:
     from PIL import Image
 
     assert isinstance(img, Image.Image)
-    values = np.asarray(img, dtype=np.float64) if img.mode != "I;16B" else np.asarray(img.convert("I"), dtype=np.float64)
-    if values.size and not np.isfinite(values).all():
+    values = np.asarray(img, dtype=np.float64)  # every 16-bit byte order and I/F read as numbers
+    if not np.isfinite(values).all():
         raise ImageError(f"{img.mode} image holds NaN or infinite pixels")
-    low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
+    low, high = float(values.min()), float(values.max())
     if img.mode == "F":
         if low < 0.0 or high > 1.0:
             raise ImageError(f"float (F) image with pixel values in [{low:g}, {high:g}]; expected [0, 1]")
@@ -70,11 +70,11 @@ def to_array(img: object, size: int, channels: int) -> np.ndarray:
     from PIL import Image
 
     assert isinstance(img, Image.Image)
-    _mode(channels)
+    mode = _mode(channels)
     if img.mode in HIGH_DEPTH_MODES:  # more than 8 bits: letterboxed as floats, never rounded to 8 bits
         grey = np.clip(np.asarray(_letterbox(_unit_grey(img), size), dtype=np.float32), 0.0, 1.0)[None]
         return grey if channels == 1 else np.repeat(grey, 3, axis=0)
-    array = np.asarray(_letterbox(img.convert(_mode(channels)), size), dtype=np.float32) / 255.0
+    array = np.asarray(_letterbox(img.convert(mode), size), dtype=np.float32) / 255.0
     return array[None] if channels == 1 else np.ascontiguousarray(array.transpose(2, 0, 1))
 
 
