@@ -77,7 +77,7 @@ from client.personal import global_clearly_better
 from client.trainer import FactoryTrainer, data_request_from
 from common.clip import DEFAULT_CLIP_NORM, parse_clip_norm
 from common.data import datasets, synth
-from common.data.classes import format_classes, parse_classes
+from common.data.classes import format_classes, normalise_name, parse_classes
 from common.data.datasets import ImageDataset
 from common.data.folder import load_image_folder, load_unlabelled_folder
 from common.distill import ProxySet
@@ -159,7 +159,7 @@ class Folders:
     @classmethod
     def at(cls, root: str | Path, classes: str = "") -> Folders:
         root = Path(root)
-        factories = tuple(d for d in sorted(root.iterdir()) if d.is_dir() and d.name not in ("test", "proxy"))
+        factories = tuple(d for d in sorted(root.iterdir()) if d.is_dir() and d.name not in ("test", "proxy") and not d.name.startswith("."))
         missing = [str(d / part) for d in factories for part in ("train", "test") if not (d / part).is_dir()]
         if len(factories) < 2 or missing:
             raise SystemExit(f"--folders {root}: expected two or more <factory>/train and <factory>/test folders"
@@ -168,9 +168,9 @@ class Folders:
         # every class folder of the factories and of the central test set: a class no factory holds is still a class the
         # global model is tested on (and gets wrong), not a reason to refuse the run
         parts = [d / part for d in factories for part in ("train", "test")] + ([central] if central else [])
-        found = sorted({c.name for part in parts for c in part.iterdir() if c.is_dir()})
+        found = sorted({normalise_name(c.name) for part in parts for c in part.iterdir() if c.is_dir() and not c.name.startswith(".")})
         proxy = root / "proxy" if (root / "proxy").is_dir() else None
-        return cls(factories, central, parse_classes(classes) if classes else tuple(found), proxy)
+        return cls(factories, central, parse_classes(classes or found), proxy)
 
     def test_set(self, folder: Path, size: int, channels: int) -> ImageDataset:
         data, _report = load_image_folder(folder, size, self.classes, channels)

@@ -251,7 +251,38 @@ def test_the_quality_bench_takes_a_class_only_the_central_test_set_holds(monkeyp
                 _write(tmp_path / factory / part / name / "0.png")
     for name in ("bolt", "washer"):
         _write(tmp_path / "test" / name / "0.png")
+    (tmp_path / "plant-a" / "train" / ".ipynb_checkpoints").mkdir()  # hidden folders are neither classes nor factories
+    (tmp_path / ".cache").mkdir()
     folders = quality.Folders.at(tmp_path)
     assert folders.classes == ("bolt", "nut", "washer") and folders.central_test == tmp_path / "test"
+    assert [d.name for d in folders.factories] == ["plant-a", "plant-b"]
     central = folders.test_set(folders.central_test, 32, 1)
     assert sorted(central.labels.tolist()) == [0, 2]
+
+
+def test_class_names_with_spaces_and_other_scripts_load_and_survive_the_run_config(tmp_path):
+    """A factory's own folder names ("Scratch Mark", "Ölfleck") are class names: they load, match across Unicode forms
+    (a folder written in NFD, as macOS does, is the NFC name in the list), and reach the ServerApp unchanged through
+    Flower's --run-config parsing; characters the plumbing gives a meaning are refused, naming the class."""
+    import unicodedata
+
+    from flwr.common.config import parse_config_args
+
+    from server.launch import _overrides
+
+    classes = "ok, Scratch Mark ,Ölfleck,破损"
+    assert parse_classes(classes) == ("ok", "Scratch Mark", "Ölfleck", "破损")
+    _write(tmp_path / "ok" / "a.png", 10)
+    _write(tmp_path / "Scratch Mark" / "b.png", 90)
+    _write(tmp_path / unicodedata.normalize("NFD", "Ölfleck") / "c.png", 200)
+    _write(tmp_path / "Schmutz" / "d.png", 250)
+    data, _ = load_image_folder(tmp_path, 8, parse_classes(classes), aliases=parse_aliases(["Schmutz=破损"]))
+    assert sorted(data.labels.tolist()) == [0, 1, 2, 3]
+    assert parse_config_args([_overrides({"classes": classes, "lr": 0.1})]) == {"classes": classes, "lr": 0.1}
+    for bad, char in (("ok,scratch=mark", "'='"), ('ok,"mark"', "'\\\"'"), ("ok,a/b", "'/'"), ("ok,tab\tmark", "'\\\\t'")):
+        with pytest.raises(ClassListError, match=f"class name .* must not contain {char}"):
+            parse_classes(bad)
+    with pytest.raises(ClassListError, match="must not start with '.'"):
+        parse_classes("ok,.hidden")
+    with pytest.raises(ClassListError, match="1-64 characters"):
+        parse_classes(["ok", "x" * 65])
