@@ -260,6 +260,29 @@ def test_the_quality_bench_takes_a_class_only_the_central_test_set_holds(monkeyp
     assert sorted(central.labels.tolist()) == [0, 2]
 
 
+def test_the_quality_bench_reads_val_folders_and_splits_a_factory_without_any(monkeypatch, tmp_path):
+    """Data sets name a factory's held-out folder `val` as often as `test`, or give a factory only its class folders: the
+    bench takes the first and holds every 4th image of each class out of the second, the same images on every run."""
+    import importlib
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    quality = importlib.import_module("quality")
+    for part in ("training", "val"):
+        _write(tmp_path / "plant-a" / part / "bolt" / "0.png")
+    for name, count in (("bolt", 8), ("nut", 3), ("washer", 1)):
+        for i in range(count):
+            _write(tmp_path / "plant-b" / name / "deep" / f"{i}.png", 10 * i)
+    folders = quality.Folders.at(tmp_path, split_dir=tmp_path / "split")
+    assert folders.classes == ("bolt", "nut", "washer")
+    assert folders.trains[0] == tmp_path / "plant-a" / "training" and folders.tests[0] == tmp_path / "plant-a" / "val"
+    train, test = (load_image_folder(d, 8, folders.classes)[0] for d in (folders.trains[1], folders.tests[1]))
+    assert np.bincount(test.labels, minlength=3).tolist() == [2, 1, 0] and np.bincount(train.labels, minlength=3).tolist() == [6, 2, 1]
+    held_out = sorted(p.resolve() for p in folders.tests[1].rglob("*.png"))
+    assert sorted(p.resolve() for p in quality.Folders.at(tmp_path, split_dir=tmp_path / "again").tests[1].rglob("*.png")) == held_out
+    assert not set(held_out) & {p.resolve() for p in folders.trains[1].rglob("*.png")}
+
+
 def test_class_names_with_spaces_and_other_scripts_load_and_survive_the_run_config(tmp_path):
     """A factory's own folder names ("Scratch Mark", "Ölfleck") are class names: they load, match across Unicode forms
     (a folder written in NFD, as macOS does, is the NFC name in the list), and reach the ServerApp unchanged through
