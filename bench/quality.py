@@ -45,12 +45,13 @@ order, not the data):
     ROOT/<factory>/train/<class>/*.png   one directory per factory (any name; sorted), its training images (or training/)
     ROOT/<factory>/test/<class>/*.png    images of that factory's own distribution, never trained on (or val/, valid/,
                                          validation/, holdout/)
-    ROOT/<factory>/<class>/*.png         instead of the two: the bench holds every 4th image of each class out as the
-                                         factory's test set (a fixed order by the hash of the file's path; not the seeds)
+    ROOT/<factory>/<class>/*.png         instead of the two: every 4th image of each class, in a fixed order (the hash of
+                                         its path, not the seeds), is held out as the factory's test set
     ROOT/test/<class>/*.png              optional: the central test set (default: every factory's test images)
     ROOT/proxy/**/*.png                  optional: unlabelled public images of the domain (the run's proxy set), never
                                          a factory's; under --dp the factories learn the subspace they train in from them
 
+(`common.data.layout`; `fedforge demo --folders ROOT` runs the same federation over real processes.)
 Class names are the folders' (any factory may lack any class); `--classes a,b,c` fixes their order.
 """
 
@@ -58,9 +59,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
-import shutil
 import statistics
 import sys
 import tempfile
@@ -82,9 +81,10 @@ from client.personal import global_clearly_better
 from client.trainer import FactoryTrainer, data_request_from
 from common.clip import DEFAULT_CLIP_NORM, parse_clip_norm
 from common.data import datasets, synth
-from common.data.classes import format_classes, normalise_name, parse_classes
+from common.data.classes import format_classes
 from common.data.datasets import ImageDataset
-from common.data.folder import IMAGE_SUFFIXES, load_image_folder, load_unlabelled_folder
+from common.data.folder import load_unlabelled_folder
+from common.data.layout import FolderFederation as Folders
 from common.distill import ProxySet
 from common.features import FeatureCache, array_keys, features_of
 from common.models import build_model, federated_part, is_pretrained, load_weights, weights_of
@@ -150,81 +150,6 @@ RECIPES = {
 SET_BY_RECIPE = {"local-epochs", "lr", "proximal-mu"}  # the baselines train with these as the recipe says
 SETTINGS = {"iid-ish": (3, 1.0), "skewed": (5, 0.1)}
 PROXY_SIZE = FederationConfig.proxy_size  # the run's default proxy set: what the server generates for the demo
-
-
-TRAIN_NAMES = ("train", "training")  # a factory's training folder, by the names data sets commonly give it
-TEST_NAMES = ("test", "val", "valid", "validation", "holdout")  # and its own held-out folder
-UNSPLIT_TEST_SHARE = 4  # a factory without the two folders: every 4th image of each class (in a fixed hash order) is its test set
-
-
-@dataclass(frozen=True)
-class Folders:
-    """A federation made of image folders (``--folders``): each factory's training and test folder, the central test folder."""
-
-    factories: tuple[Path, ...]
-    central_test: Path | None
-    classes: tuple[str, ...]
-    proxy: Path | None = None
-    trains: tuple[Path, ...] = ()  # each factory's training folder (in the order of `factories`)
-    tests: tuple[Path, ...] = ()  # and its test folder
-
-    @classmethod
-    def at(cls, root: str | Path, classes: str = "", split_dir: str | Path | None = None) -> Folders:
-        """The federation under ``root`` (layout: the module doc). A factory folder that holds class folders directly, with
-        no train/test split, is split here (`split_unsplit`) into ``split_dir`` (default: a temporary directory)."""
-        root = Path(root)
-        factories = tuple(d for d in sorted(root.iterdir()) if d.is_dir() and d.name not in ("test", "proxy") and not d.name.startswith("."))
-        pairs = [(_first_dir(d, TRAIN_NAMES), _first_dir(d, TEST_NAMES)) for d in factories]
-        unsplit = [d for d, (train, test) in zip(factories, pairs) if train is None and test is None and _class_dirs(d)]
-        if unsplit:
-            split_root = Path(split_dir or tempfile.mkdtemp(prefix="fedforge-quality-split-"))
-            for d in unsplit:
-                pairs[factories.index(d)] = split_unsplit(d, split_root / d.name)
-            print(f"--folders {root}: {[d.name for d in unsplit]} have no train/test folders; every {UNSPLIT_TEST_SHARE}th image of each "
-                  f"class is their test set ({split_root})", flush=True)
-        missing = [f"{d}/{'|'.join(names)}" for d, pair in zip(factories, pairs) for names, part in zip((TRAIN_NAMES, TEST_NAMES), pair)
-                   if part is None]
-        if len(factories) < 2 or missing:
-            raise SystemExit(f"--folders {root}: expected two or more <factory>/train and <factory>/test folders"
-                             + (f"; missing {missing}" if missing else f", found {[d.name for d in factories]}"))
-        trains, tests = (tuple(p for p in part if p is not None) for part in zip(*pairs))
-        central = root / "test" if (root / "test").is_dir() else None
-        # every class folder of the factories and of the central test set: a class no factory holds is still a class the
-        # global model is tested on (and gets wrong), not a reason to refuse the run
-        found = sorted({normalise_name(c.name) for part in (*trains, *tests, *([central] if central else [])) for c in _class_dirs(part)})
-        proxy = root / "proxy" if (root / "proxy").is_dir() else None
-        return cls(factories, central, parse_classes(classes or found), proxy, trains, tests)
-
-    def test_set(self, folder: Path, size: int, channels: int) -> ImageDataset:
-        data, _report = load_image_folder(folder, size, self.classes, channels)
-        return ImageDataset(data.images_at(np.arange(len(data))), np.asarray(data.labels), self.classes)
-
-
-def _first_dir(parent: Path, names: tuple[str, ...]) -> Path | None:
-    return next((parent / n for n in names if (parent / n).is_dir()), None)
-
-
-def _class_dirs(folder: Path) -> list[Path]:
-    return [c for c in sorted(folder.iterdir()) if c.is_dir() and not c.name.startswith(".")]
-
-
-def split_unsplit(factory: Path, out: Path) -> tuple[Path, Path]:
-    """``factory/<class>/*`` -> ``out/train/<class>`` and ``out/test/<class>`` of links to its images: every
-    `UNSPLIT_TEST_SHARE`-th image of a class, in the order of the SHA-256 of its path within the factory (the same split on
-    every run and machine, independent of the seeds), is a test image; a class of one image stays in training."""
-    for part in ("train", "test"):
-        shutil.rmtree(out / part, ignore_errors=True)
-        (out / part).mkdir(parents=True)
-    for class_dir in _class_dirs(factory):
-        images = [p for p in class_dir.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")]
-        images.sort(key=lambda p: hashlib.sha256(str(p.relative_to(factory)).encode()).hexdigest())
-        for i, image in enumerate(images):
-            held_out = i % UNSPLIT_TEST_SHARE == UNSPLIT_TEST_SHARE - 1 or (i == 0 and 1 < len(images) < UNSPLIT_TEST_SHARE)
-            part = "test" if held_out else "train"
-            link = out / part / class_dir.name / f"{i:06d}{image.suffix.lower()}"
-            link.parent.mkdir(parents=True, exist_ok=True)
-            link.symlink_to(image.resolve())
-    return out / "train", out / "test"
 
 
 def factory_test_set(spec: datasets.SyntheticSpec, index: int, size: int) -> ImageDataset:
@@ -421,8 +346,13 @@ def main() -> None:
     set_torch_threads(a.threads)
     # a temporary working directory (its feature caches hold hundreds of MB) goes when the bench ends, however it ends
     with contextlib.nullcontext(a.workdir) if a.workdir else tempfile.TemporaryDirectory(prefix="fedforge-quality-") as workdir:
-        folders = Folders.at(a.folders, a.classes, split_dir=Path(workdir) / "split") if a.folders else None
+        try:
+            folders = Folders.at(a.folders, a.classes, split_dir=Path(workdir) / "split") if a.folders else None
+        except ValueError as exc:  # DatasetError, ClassListError: the message names the folder
+            p.error(f"--folders: {exc}")
         if folders:
+            if folders.split:
+                print(f"--folders {a.folders}: {folders.describe_split()}", flush=True)
             a.settings = "folders"
             size = a.image_size or FederationConfig.image_size
             print(f"{len(folders.factories)} factories from {a.folders}, classes {list(folders.classes)}, read as "

@@ -29,6 +29,7 @@ from server.registry.service import Registry
 
 log = logging.getLogger("fedforge.demo")
 console = Console(stderr=True)
+GOOD_NAMES = ("ok", "good", "pass", "passed", "normal", "nominal", "no_defect", "defect-free")  # what --folders takes as the good parts
 
 
 @click.command()
@@ -39,6 +40,10 @@ console = Console(stderr=True)
 @click.option("--workdir", default="fedforge-demo", type=click.Path(file_okay=False), help="Logs, SuperLink database and registry.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write a JSON summary here.")
 @click.option("--architecture", default=None, help="Model architecture: effnet-lite0 (pretrained, frozen; the default), cnn-small, cnn-medium, cnn-large.")
+@click.option("--folders", default=None, type=click.Path(exists=True, file_okay=False),
+              help="Your own images instead of generated ones: ROOT/<factory>/train|test/<class>/ (or only ROOT/<factory>/<class>/), "
+                   "optional ROOT/test and ROOT/proxy (the layout of bench/quality.py --folders; docs/operations.md). One factory per "
+                   "folder; classes are the folder names.")
 @click.option("--train-size", default=600, type=click.IntRange(10), help="Synthetic images per factory.")
 @click.option("--alpha", default=1.0, type=float, help="Dirichlet label skew across factories (smaller = more skewed).")
 @click.option("--min-factories", default=None, type=click.IntRange(1), help="Abort a round below this many good updates (default: factories - 1, at least 1).")
@@ -62,7 +67,7 @@ console = Console(stderr=True)
               "each architecture is its own group and line of versions; distillation transfers across groups.")
 @click.option("--set", "overrides", multiple=True, help="Any other run-config key, e.g. --set distill-epochs=10 (repeatable).")
 def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str, json_path: str | None, architecture: str,
-         train_size: int, alpha: float, min_factories: int | None, round_timeout: float, lr: float, secure: bool, dp: bool, epsilon: float,
+         folders: str | None, train_size: int, alpha: float, min_factories: int | None, round_timeout: float, lr: float, secure: bool, dp: bool, epsilon: float,
          dp_secure_sum: bool, dp_max_grad_norm: float | str, parallelism: str, local_world_size: int, dashboard_port: int, admin_token: str | None, distill: str, architectures: str,
          overrides: tuple[str, ...]) -> None:
     """Run a local demo federation over real Flower processes on 127.0.0.1."""
@@ -88,8 +93,16 @@ def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str
         "round-timeout": round_timeout, "architecture": architecture, "local-epochs": local_epochs, "lr": lr, "secure-aggregation": secure,
         "distill": distill,
         **({"min-factories": min_factories} if min_factories else {}),
-        **parse_overrides(overrides),
     }
+    factory_args: dict[int, list[str]] = {}
+    if folders:
+        ctx = click.get_current_context()
+        if given := [f"--{name.replace('_', '-')}" for name in ("factories", "train_size", "alpha")
+                     if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]:
+            raise click.UsageError(f"{', '.join(given)}: the generated data's, not --folders' (one factory per folder, its own images)")
+        factories, own_config, factory_args = own_folders(Path(folders), root)
+        run_config |= own_config
+    run_config |= parse_overrides(overrides)
     with ProcessSet(root / "logs") as procs:
         flags = ["--dp", "--dp-epsilon", str(epsilon), "--dp-planned-rounds", str(rounds), "--dp-max-grad-norm", str(dp_max_grad_norm)] if dp else []
         flags += ["--dp-secure-sum"] if dp_secure_sum else []
@@ -98,7 +111,7 @@ def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str
             flags.append("--no-require-secure-aggregation")
         admin_token = admin_token or secrets.token_urlsafe(16)
         fed = LocalFederation(root, procs, num_factories=factories, seed=seed, alpha=alpha, train_size=train_size, factory_flags=flags,
-                              dashboard_port=dashboard_port, admin_token=admin_token, architectures=archs)
+                              dashboard_port=dashboard_port, admin_token=admin_token, architectures=archs, factory_args=factory_args)
         try:
             console.print(f"[bold]FedForge demo[/]: {factories} factories, {rounds} rounds, distillation {distill}, workdir {root}")
             fed.start_central()
@@ -125,6 +138,30 @@ def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str
         Path(json_path).write_text(json.dumps(summary, indent=2))
     if summary["status"] != "finished":
         raise SystemExit(1)
+
+
+def own_folders(path: Path, root: Path) -> tuple[int, dict[str, Any], dict[int, list[str]]]:
+    """``--folders``: the number of factories, the run-config keys (class list, central test and proxy folders) and each
+    factory's ``fedforge client`` flags (its training folder, the class list) of the federation under ``path``."""
+    from common.data.classes import format_classes
+    from common.data.folder import DatasetError
+    from common.data.layout import FolderFederation
+
+    try:
+        layout = FolderFederation.at(path, split_dir=root / "split")
+    except DatasetError as exc:
+        raise click.BadParameter(str(exc), param_hint="--folders") from None
+    if layout.split:
+        console.print(f"  --folders: {layout.describe_split()}")
+    classes = format_classes(layout.classes)
+    run_config = {"classes": classes, "test-data": str(layout.central_test_folder(root / "central-test")),
+                  **({"proxy-data": str(layout.proxy)} if layout.proxy else {})}
+    good = [c for c in layout.classes if c.casefold() in GOOD_NAMES]
+    if len(good) == 1:  # escape and false-reject rates need the class of good parts; --set good-class=... names another
+        run_config["good-class"] = good[0]
+    console.print(f"  {len(layout.factories)} factories from {path} ({', '.join(d.name for d in layout.factories)}), classes {list(layout.classes)}, "
+                  f"central test set {run_config['test-data']}, proxy set {layout.proxy or 'none'}")
+    return len(layout.factories), run_config, {i: ["--data", str(train), "--classes", classes] for i, train in enumerate(layout.trains)}
 
 
 def follow_run(registry: Registry, run_id: str, rounds: int, home: Path, flwr_run_id: str, procs: ProcessSet,

@@ -114,6 +114,34 @@ def _demo(tmp_path, name: str, *flags: str, train_size: int = 600) -> tuple[dict
     return json.loads(path.read_text()), proc
 
 
+def test_demo_on_your_own_folders(tmp_path, no_leftover_processes):
+    """`fedforge demo --folders ROOT`: one factory per folder (train/test, train/val, or class folders only, which the demo
+    splits), class names with a space, the factories' test images as the central test set, ROOT/proxy as the proxy set."""
+    root = tmp_path / "images"
+    names = {"Good": "ok", "Scratch Mark": "scratch", "dent": "crack"}
+    for part, seed in (("train", 1), ("test", 2)):
+        _write_folder(root / "plant-a" / part, names, 9 if part == "train" else 3, seed, (64, 64), "L", "png")
+        _write_folder(root / "plant-b" / ("val" if part == "test" else part), names, 9 if part == "train" else 3, seed + 2, (80, 60), "RGB", "jpg")
+    _write_folder(root / "plant-c", {"Good": "ok", "Scratch Mark": "scratch"}, 12, 5, (64, 64), "L", "png")  # no split of its own
+    _write_folder(root / "proxy", {"any": "ok", "other": "pit"}, 10, 6, (64, 64), "L", "png")
+    summary_path = tmp_path / "summary.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "common.cli", "demo", "--folders", str(root), "--rounds", "1", "--local-epochs", "1", "--set", "image-size=32",
+         "--workdir", str(tmp_path / "demo"), "--json", str(summary_path)],
+        capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + log_tails(tmp_path / "demo")
+    summary = json.loads(summary_path.read_text())
+    assert summary["status"] == "finished" and summary["rounds"][0]["participants"] == ["factory-0", "factory-1", "factory-2"]
+    assert "['plant-c'] have no train/test folders" in " ".join(proc.stderr.split())
+    registry = Registry.at(tmp_path / "demo" / "central" / "registry")
+    version = registry.versions(summary["run_id"])[-1]
+    assert version.model_input["classes"] == ["Good", "Scratch Mark", "dent"] and "accuracy" in version.metrics
+    central = {p.resolve() for p in (tmp_path / "demo" / "central-test").rglob("*") if p.is_file()}
+    assert len(central) == 3 * 3 + 3 * 3 + 2 * 3  # every factory's test images: plant-c's every 4th of 12 per class
+    assert not central & {p.resolve() for p in (root / "plant-a" / "train").rglob("*")}
+    assert summary["final_federated"]["escape_rate"] is not None  # "Good" taken as the good parts
+
+
 def test_the_pretrained_default_learns_far_faster_than_a_model_from_scratch(default_demo):
     """The default recipe (frozen EfficientNet-Lite0, federated head) after 2 secure rounds over real processes, against
     `cnn-small` from scratch after the same 2 rounds of FedAvg on the same factories' data (in process, same local epochs)."""

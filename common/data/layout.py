@@ -1,0 +1,128 @@
+"""A whole federation's image folders on one disk: how ``fedforge demo --folders`` and ``bench/quality.py --folders``
+read ROOT, so that trying FedForge on your own images and measuring it on them see the same federation.
+
+    ROOT/<factory>/train/<class>/*.png   one directory per factory (any name; sorted), its training images (or training/)
+    ROOT/<factory>/test/<class>/*.png    images of that factory's own distribution, never trained on (or val/, valid/,
+                                         validation/, holdout/)
+    ROOT/<factory>/<class>/*.png         instead of the two: every 4th image of each class, in a fixed order (the SHA-256
+                                         of its path), is held out as the factory's test set (`split_unsplit`)
+    ROOT/test/<class>/*.png              optional: the central test set
+    ROOT/proxy/**/*.png                  optional: unlabelled public images of the domain (the run's proxy set)
+
+Folders starting with ``.`` are never read. The class list is every class folder's name (NFC), sorted, unless given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from common.data.classes import normalise_name, parse_classes
+from common.data.datasets import ImageDataset
+from common.data.folder import IMAGE_SUFFIXES, DatasetError, load_image_folder
+
+__all__ = ["TEST_NAMES", "TRAIN_NAMES", "UNSPLIT_TEST_SHARE", "FolderFederation", "split_unsplit"]
+
+TRAIN_NAMES = ("train", "training")  # a factory's training folder, by the names data sets commonly give it
+TEST_NAMES = ("test", "val", "valid", "validation", "holdout")  # and its own held-out folder
+UNSPLIT_TEST_SHARE = 4  # a factory without the two folders: every 4th image of each class (in a fixed hash order) is its test set
+RESERVED = ("test", "proxy")  # ROOT's folders that are not factories
+
+
+@dataclass(frozen=True)
+class FolderFederation:
+    """The factories under ROOT, each with its training and test folder, the central test folder and the proxy folder."""
+
+    factories: tuple[Path, ...]
+    central_test: Path | None
+    classes: tuple[str, ...]
+    proxy: Path | None = None
+    trains: tuple[Path, ...] = ()  # each factory's training folder (in the order of `factories`)
+    tests: tuple[Path, ...] = ()  # and its test folder
+    split: tuple[str, ...] = ()  # the factories split here (no train/test folders of their own)
+    split_root: Path | None = None  # where their split lives (links to their images)
+
+    @classmethod
+    def at(cls, root: str | Path, classes: str = "", split_dir: str | Path | None = None) -> FolderFederation:
+        """The federation under ``root`` (layout: the module doc); raises `DatasetError` naming what is missing. A factory
+        folder that holds class folders directly is split (`split_unsplit`) into ``split_dir`` (default: a temporary directory)."""
+        root = Path(root)
+        if not root.is_dir():
+            raise DatasetError(f"{root} does not exist or is not a directory")
+        factories = tuple(d for d in _folders(root) if d.name not in RESERVED)
+        pairs = [(_first_dir(d, TRAIN_NAMES), _first_dir(d, TEST_NAMES)) for d in factories]
+        unsplit = [i for i, (d, (train, test)) in enumerate(zip(factories, pairs)) if train is None and test is None and _folders(d)]
+        split_root = Path(split_dir or tempfile.mkdtemp(prefix="fedforge-split-")) if unsplit else None
+        for i in unsplit:
+            pairs[i] = split_unsplit(factories[i], split_root / factories[i].name)  # type: ignore[operator]
+        missing = [f"{d}/{'|'.join(names)}" for d, pair in zip(factories, pairs) for names, part in zip((TRAIN_NAMES, TEST_NAMES), pair)
+                   if part is None]
+        if len(factories) < 2 or missing:
+            raise DatasetError(f"{root}: expected two or more factory folders, each with train/ and test/ folders or only class folders"
+                               + (f"; missing {missing}" if missing else f", found {[d.name for d in factories]}"))
+        trains, tests = (tuple(p for p in part if p is not None) for part in zip(*pairs))
+        central = root / "test" if (root / "test").is_dir() else None
+        # every class folder of the factories and of the central test set: a class no factory holds is still a class the
+        # global model is tested on (and gets wrong), not a reason to refuse the run
+        found = sorted({normalise_name(c.name) for part in (*trains, *tests, *([central] if central else [])) for c in _folders(part)})
+        proxy = root / "proxy" if (root / "proxy").is_dir() else None
+        return cls(factories, central, parse_classes(classes or found), proxy, trains, tests,
+                   tuple(factories[i].name for i in unsplit), split_root)
+
+    def describe_split(self) -> str:
+        """A line saying which factories were split here and how ('' if none)."""
+        if not self.split:
+            return ""
+        return (f"{list(self.split)} have no train/test folders: every {UNSPLIT_TEST_SHARE}th image of each class is their test set "
+                f"({self.split_root})")
+
+    def central_test_folder(self, out: Path) -> Path:
+        """ROOT/test, or without one a folder at ``out`` of links to every factory's test images (each class's images of
+        all factories in one class folder): the central test set a server of this federation evaluates on."""
+        if self.central_test is not None:
+            return self.central_test
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        for f, folder in enumerate(self.tests):
+            for class_dir in _folders(folder):
+                for i, image in enumerate(p for p in sorted(class_dir.rglob("*")) if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES):
+                    link = out / class_dir.name / f"{f:03d}-{i:06d}{image.suffix.lower()}"
+                    link.parent.mkdir(parents=True, exist_ok=True)
+                    link.symlink_to(image.resolve())
+        return out
+
+    def test_set(self, folder: Path, size: int, channels: int) -> ImageDataset:
+        """A labelled folder decoded in memory, labelled by the federation's class list."""
+        data, _report = load_image_folder(folder, size, self.classes, channels)
+        return ImageDataset(data.images_at(np.arange(len(data))), np.asarray(data.labels), self.classes)
+
+
+def _folders(parent: Path) -> list[Path]:
+    return [c for c in sorted(parent.iterdir()) if c.is_dir() and not c.name.startswith(".")]
+
+
+def _first_dir(parent: Path, names: tuple[str, ...]) -> Path | None:
+    return next((parent / n for n in names if (parent / n).is_dir()), None)
+
+
+def split_unsplit(factory: Path, out: Path) -> tuple[Path, Path]:
+    """``factory/<class>/*`` -> ``out/train/<class>`` and ``out/test/<class>`` of links to its images: every
+    `UNSPLIT_TEST_SHARE`-th image of a class, in the order of the SHA-256 of its path within the factory (the same split on
+    every run, independent of the seeds), is a test image; a class of two or three images holds one out, of one none."""
+    for part in ("train", "test"):
+        shutil.rmtree(out / part, ignore_errors=True)
+        (out / part).mkdir(parents=True)
+    for class_dir in _folders(factory):
+        images = [p for p in class_dir.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")]
+        images.sort(key=lambda p: hashlib.sha256(p.relative_to(factory).as_posix().encode()).hexdigest())
+        for i, image in enumerate(images):
+            held_out = i % UNSPLIT_TEST_SHARE == UNSPLIT_TEST_SHARE - 1 or (i == 0 and 1 < len(images) < UNSPLIT_TEST_SHARE)
+            link = out / ("test" if held_out else "train") / class_dir.name / f"{i:06d}{image.suffix.lower()}"
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(image.resolve())
+    return out / "train", out / "test"
