@@ -40,7 +40,9 @@ Your own image folders instead of the built-in generator (seeds then vary the mo
 order, not the data):
 
     python bench/quality.py --folders ROOT --recipes default --dp
-    python bench/quality.py --folders ROOT --recipes default --channels 3 --image-size 96   # colour images, as RGB
+    python bench/quality.py --folders ROOT --recipes default --channels 1 --image-size 96   # as grey, at 96 px
+
+`--channels auto` (the default) reads the images as RGB when any factory's are in colour, else as grey.
 
     ROOT/<factory>/train/<class>/*.png   one directory per factory (any name; sorted), its training images (or training/)
     ROOT/<factory>/test/<class>/*.png    images of that factory's own distribution, never trained on (or val/, valid/,
@@ -327,7 +329,8 @@ def main() -> None:
     p.add_argument("--workdir", default=None, help="feature cache and factory state (default: a temporary directory)")
     p.add_argument("--folders", default=None, help="run on these image folders instead of the built-in generator (layout: see above)")
     p.add_argument("--classes", default="", help="with --folders: the run's ordered class list (default: the folders' names, sorted)")
-    p.add_argument("--channels", type=int, default=1, choices=(1, 3), help="with --folders: 1 reads every image as grey, 3 as RGB (the run's channels)")
+    p.add_argument("--channels", default="auto", choices=("auto", "1", "3"), help="with --folders: 1 reads every image as grey, 3 as RGB (the run's "
+                   "channels); auto (the default) 3 if any factory's training images are in colour (common.data.layout), else 1")
     p.add_argument("--image-size", type=int, default=0, help="with --folders: the run's image-size (default: the run config's)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a factory training key of the run config for every recipe, e.g. --set personal-epochs=5 (repeatable)")
@@ -341,7 +344,7 @@ def main() -> None:
         p.error(exc.format_message())
     except ValueError as exc:
         p.error(str(exc))
-    if (a.channels != 1 or a.image_size) and not a.folders:
+    if (a.channels != "auto" or a.image_size) and not a.folders:
         p.error("--channels and --image-size apply to --folders (the built-in generator draws grey images at the run's default size)")
     set_torch_threads(a.threads)
     # a temporary working directory (its feature caches hold hundreds of MB) goes when the bench ends, however it ends
@@ -350,6 +353,7 @@ def main() -> None:
             folders = Folders.at(a.folders, a.classes, split_dir=Path(workdir) / "split") if a.folders else None
         except ValueError as exc:  # DatasetError, ClassListError: the message names the folder
             p.error(f"--folders: {exc}")
+        a.channels = 1 if folders is None else folders.channels() if a.channels == "auto" else int(a.channels)
         if folders:
             if folders.split:
                 print(f"--folders {a.folders}: {folders.describe_split()}", flush=True)

@@ -141,8 +141,9 @@ def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str
 
 
 def own_folders(path: Path, root: Path) -> tuple[int, dict[str, Any], dict[int, list[str]]]:
-    """``--folders``: the number of factories, the run-config keys (class list, central test and proxy folders) and each
-    factory's ``fedforge client`` flags (its training folder, the class list) of the federation under ``path``."""
+    """``--folders``: the number of factories, the run-config keys (class list, channels: RGB if any factory's images are in
+    colour, central test and proxy folders; ``--set`` overrides them) and each factory's ``fedforge client`` flags (its
+    training folder, the class list) of the federation under ``path``."""
     from common.data.classes import format_classes
     from common.data.folder import DatasetError
     from common.data.layout import FolderFederation
@@ -154,13 +155,14 @@ def own_folders(path: Path, root: Path) -> tuple[int, dict[str, Any], dict[int, 
     if layout.split:
         console.print(f"  --folders: {layout.describe_split()}")
     classes = format_classes(layout.classes)
-    run_config = {"classes": classes, "test-data": str(layout.central_test_folder(root / "central-test")),
+    run_config = {"classes": classes, "test-data": str(layout.central_test_folder(root / "central-test")), "channels": layout.channels(),
                   **({"proxy-data": str(layout.proxy)} if layout.proxy else {})}
     good = [c for c in layout.classes if c.casefold() in GOOD_NAMES]
     if len(good) == 1:  # escape and false-reject rates need the class of good parts; --set good-class=... names another
         run_config["good-class"] = good[0]
     console.print(f"  {len(layout.factories)} factories from {path} ({', '.join(d.name for d in layout.factories)}), classes {list(layout.classes)}, "
-                  f"central test set {run_config['test-data']}, proxy set {layout.proxy or 'none'}")
+                  f"read as {'RGB' if run_config['channels'] == 3 else 'grey'}, central test set {run_config['test-data']}, "
+                  f"proxy set {layout.proxy or 'none'}")
     return len(layout.factories), run_config, {i: ["--data", str(train), "--classes", classes] for i, train in enumerate(layout.trains)}
 
 

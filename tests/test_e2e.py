@@ -136,6 +136,7 @@ def test_demo_on_your_own_folders(tmp_path, no_leftover_processes):
     registry = Registry.at(tmp_path / "demo" / "central" / "registry")
     version = registry.versions(summary["run_id"])[-1]
     assert version.model_input["classes"] == ["Good", "Scratch Mark", "dent"] and "accuracy" in version.metrics
+    assert version.model_input["channels"] == 1  # grey images, also those saved as RGB JPEG
     central = {p.resolve() for p in (tmp_path / "demo" / "central-test").rglob("*") if p.is_file()}
     assert len(central) == 3 * 3 + 3 * 3 + 2 * 3  # every factory's test images: plant-c's every 4th of 12 per class
     assert not central & {p.resolve() for p in (root / "plant-a" / "train").rglob("*")}

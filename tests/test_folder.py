@@ -175,6 +175,7 @@ def test_the_quality_bench_compares_on_your_own_folders(tmp_path):
                           "--workdir", str(tmp_path / "work"), "--threads", "1", "--dp"], capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "2 factories from" in run.stdout and "['bolt', 'nut', 'washer']" in run.stdout  # proxy/ is no factory
+    assert "read as grey at 64 px" in run.stdout  # --channels auto: grey images
     assert '"dp_public_images": 20' in run.stdout
     row = next(line for line in run.stdout.splitlines() if line.startswith("| folders |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
@@ -281,6 +282,12 @@ def test_the_quality_bench_reads_val_folders_and_splits_a_factory_without_any(mo
     held_out = sorted(p.resolve() for p in folders.tests[1].rglob("*.png"))
     assert sorted(p.resolve() for p in quality.Folders.at(tmp_path, split_dir=tmp_path / "again").tests[1].rglob("*.png")) == held_out
     assert not set(held_out) & {p.resolve() for p in folders.trains[1].rglob("*.png")}
+    # --channels auto: grey images (also saved as RGB JPEG) read as grey; one colour factory makes the run read RGB
+    _write(tmp_path / "plant-a" / "training" / "nut" / "grey.jpg", 120, mode="RGB")
+    assert folders.channels() == 1
+    tinted = np.zeros((30, 40, 3), np.uint8) + np.array([150, 110, 60], np.uint8)
+    Image.fromarray(tinted).save(tmp_path / "plant-a" / "training" / "bolt" / "0.png")
+    assert folders.channels() == 3
 
 
 def test_class_names_with_spaces_and_other_scripts_load_and_survive_the_run_config(tmp_path):

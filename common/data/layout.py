@@ -25,6 +25,7 @@ import numpy as np
 from common.data.classes import normalise_name, parse_classes
 from common.data.datasets import ImageDataset
 from common.data.folder import IMAGE_SUFFIXES, DatasetError, load_image_folder
+from common.data.images import ImageError, read_image
 
 __all__ = ["TEST_NAMES", "TRAIN_NAMES", "UNSPLIT_TEST_SHARE", "FolderFederation", "split_unsplit"]
 
@@ -32,6 +33,7 @@ TRAIN_NAMES = ("train", "training")  # a factory's training folder, by the names
 TEST_NAMES = ("test", "val", "valid", "validation", "holdout")  # and its own held-out folder
 UNSPLIT_TEST_SHARE = 4  # a factory without the two folders: every 4th image of each class (in a fixed hash order) is its test set
 RESERVED = ("test", "proxy")  # ROOT's folders that are not factories
+COLOUR_CHROMA = 0.02  # mean chroma above which a factory's images count as colour (grey images saved as RGB PNG or JPEG: 0)
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,14 @@ class FolderFederation:
         return (f"{list(self.split)} have no train/test folders: every {UNSPLIT_TEST_SHARE}th image of each class is their test set "
                 f"({self.split_root})")
 
+    def channels(self, sample: int = 32) -> int:
+        """3 if any factory's training images are in colour, else 1: what ``--channels auto`` reads them as.
+
+        A factory's images are colour when the median of its sampled images' mean chroma (max - min over R, G, B, at 32 px)
+        exceeds `COLOUR_CHROMA`: grey images saved as RGB or JPEG have almost none. Grey images read as RGB give the
+        backbone exactly the input grey gives it, so a federation with one colour factory loses nothing on its grey ones."""
+        return 3 if any(_median_chroma(folder, sample) > COLOUR_CHROMA for folder in self.trains) else 1
+
     def central_test_folder(self, out: Path) -> Path:
         """ROOT/test, or without one a folder at ``out`` of links to every factory's test images (each class's images of
         all factories in one class folder): the central test set a server of this federation evaluates on."""
@@ -102,6 +112,24 @@ class FolderFederation:
         return ImageDataset(data.images_at(np.arange(len(data))), np.asarray(data.labels), self.classes)
 
 
+def _images(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")]
+
+
+def _median_chroma(folder: Path, sample: int) -> float:
+    """The median over up to ``sample`` images of ``folder`` (a fixed choice: the first by the hash of their path) of each
+    one's mean chroma in [0, 1]; unreadable images are skipped (the run names them when it loads the folder)."""
+    chosen = sorted(_images(folder), key=lambda p: hashlib.sha256(p.relative_to(folder).as_posix().encode()).hexdigest())[:sample]
+    values = []
+    for path in chosen:
+        try:
+            rgb = read_image(path, 32, channels=3)
+        except ImageError:
+            continue
+        values.append(float((rgb.max(axis=0) - rgb.min(axis=0)).mean()))
+    return float(np.median(values)) if values else 0.0
+
+
 def _folders(parent: Path) -> list[Path]:
     return [c for c in sorted(parent.iterdir()) if c.is_dir() and not c.name.startswith(".")]
 
@@ -118,7 +146,7 @@ def split_unsplit(factory: Path, out: Path) -> tuple[Path, Path]:
         shutil.rmtree(out / part, ignore_errors=True)
         (out / part).mkdir(parents=True)
     for class_dir in _folders(factory):
-        images = [p for p in class_dir.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")]
+        images = _images(class_dir)
         images.sort(key=lambda p: hashlib.sha256(p.relative_to(factory).as_posix().encode()).hexdigest())
         for i, image in enumerate(images):
             held_out = i % UNSPLIT_TEST_SHARE == UNSPLIT_TEST_SHARE - 1 or (i == 0 and 1 < len(images) < UNSPLIT_TEST_SHARE)
