@@ -95,14 +95,15 @@ def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str
         **({"min-factories": min_factories} if min_factories else {}),
     }
     factory_args: dict[int, list[str]] = {}
+    chosen = parse_overrides(overrides)
     if folders:
         ctx = click.get_current_context()
         if given := [f"--{name.replace('_', '-')}" for name in ("factories", "train_size", "alpha")
                      if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]:
             raise click.UsageError(f"{', '.join(given)}: the generated data's, not --folders' (one factory per folder, its own images)")
-        factories, own_config, factory_args = own_folders(Path(folders), root)
+        factories, own_config, factory_args = own_folders(Path(folders), root, chosen)
         run_config |= own_config
-    run_config |= parse_overrides(overrides)
+    run_config |= chosen
     with ProcessSet(root / "logs") as procs:
         flags = ["--dp", "--dp-epsilon", str(epsilon), "--dp-planned-rounds", str(rounds), "--dp-max-grad-norm", str(dp_max_grad_norm)] if dp else []
         flags += ["--dp-secure-sum"] if dp_secure_sum else []
@@ -140,10 +141,10 @@ def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str
         raise SystemExit(1)
 
 
-def own_folders(path: Path, root: Path) -> tuple[int, dict[str, Any], dict[int, list[str]]]:
+def own_folders(path: Path, root: Path, chosen: dict[str, Any]) -> tuple[int, dict[str, Any], dict[int, list[str]]]:
     """``--folders``: the number of factories, the run-config keys (class list, channels: RGB if any factory's images are in
-    colour, central test and proxy folders; ``--set`` overrides them) and each factory's ``fedforge client`` flags (its
-    training folder, the class list) of the federation under ``path``."""
+    colour, central test and proxy folders; ``chosen``, the ``--set`` keys, override them) and each factory's ``fedforge
+    client`` flags (its training folder, the class list) of the federation under ``path``."""
     from common.data.classes import format_classes
     from common.data.folder import DatasetError
     from common.data.layout import FolderFederation
@@ -160,6 +161,7 @@ def own_folders(path: Path, root: Path) -> tuple[int, dict[str, Any], dict[int, 
     good = [c for c in layout.classes if c.casefold() in GOOD_NAMES]
     if len(good) == 1:  # escape and false-reject rates need the class of good parts; --set good-class=... names another
         run_config["good-class"] = good[0]
+    run_config |= chosen
     console.print(f"  {len(layout.factories)} factories from {path} ({', '.join(d.name for d in layout.factories)}), classes {list(layout.classes)}, "
                   f"read as {'RGB' if run_config['channels'] == 3 else 'grey'}, central test set {run_config['test-data']}, "
                   f"proxy set {layout.proxy or 'none'}")
