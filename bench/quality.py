@@ -54,7 +54,8 @@ order, not the data):
                                          a factory's; under --dp the factories learn the subspace they train in from them
 
 (`common.data.layout`; `fedforge demo --folders ROOT` runs the same federation over real processes.)
-Class names are the folders' (any factory may lack any class); `--classes a,b,c` fixes their order.
+Class names are the folders' (any factory may lack any class); `--classes a,b,c` fixes their order, and
+`--class-alias OK-parts=good` maps a folder named otherwise (repeatable).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ from client.personal import global_clearly_better
 from client.trainer import FactoryTrainer, data_request_from
 from common.clip import DEFAULT_CLIP_NORM, parse_clip_norm
 from common.data import datasets, synth
-from common.data.classes import format_classes
+from common.data.classes import format_classes, parse_aliases
 from common.data.datasets import ImageDataset
 from common.data.folder import load_unlabelled_folder
 from common.data.layout import FolderFederation as Folders
@@ -176,6 +177,7 @@ class Bench:
         self.trainers = [FactoryTrainer(AgentConfig(
             factory_id=f"f{i}", factory_index=i, num_factories=factories, data_seed=seed, alpha=alpha, train_size=train_size,
             data=str(folders.trains[i]) if folders else "synthetic", classes=",".join(self.classes),
+            class_alias=tuple(f"{k}={v}" for k, v in folders.aliases.items()) if folders else (),
             state_dir=str(state / f"f{i}"), dp=dp_epsilon > 0, dp_epsilon=dp_epsilon or 8.0, dp_planned_rounds=rounds, dp_secure_sum=secure_sum,
             dp_max_grad_norm=max_grad_norm))
             for i in range(factories)]
@@ -329,6 +331,8 @@ def main() -> None:
     p.add_argument("--workdir", default=None, help="feature cache and factory state (default: a temporary directory)")
     p.add_argument("--folders", default=None, help="run on these image folders instead of the built-in generator (layout: see above)")
     p.add_argument("--classes", default="", help="with --folders: the run's ordered class list (default: the folders' names, sorted)")
+    p.add_argument("--class-alias", action="append", default=[], metavar="FOLDER=CLASS",
+                   help="with --folders: a folder that holds a class under another name, at any factory or test folder (repeatable)")
     p.add_argument("--channels", default="auto", choices=("auto", "1", "3"), help="with --folders: 1 reads every image as grey, 3 as RGB (the run's "
                    "channels); auto (the default) 3 if any factory's training images are in colour (common.data.layout), else 1")
     p.add_argument("--image-size", type=int, default=0, help="with --folders: the run's image-size (default: the run config's)")
@@ -344,13 +348,14 @@ def main() -> None:
         p.error(exc.format_message())
     except ValueError as exc:
         p.error(str(exc))
-    if (a.channels != "auto" or a.image_size) and not a.folders:
-        p.error("--channels and --image-size apply to --folders (the built-in generator draws grey images at the run's default size)")
+    if (a.channels != "auto" or a.image_size or a.class_alias) and not a.folders:
+        p.error("--channels, --image-size and --class-alias apply to --folders (the built-in generator draws grey images of its own "
+                "classes at the run's default size)")
     set_torch_threads(a.threads)
     # a temporary working directory (its feature caches hold hundreds of MB) goes when the bench ends, however it ends
     with contextlib.nullcontext(a.workdir) if a.workdir else tempfile.TemporaryDirectory(prefix="fedforge-quality-") as workdir:
         try:
-            folders = Folders.at(a.folders, a.classes, split_dir=Path(workdir) / "split") if a.folders else None
+            folders = Folders.at(a.folders, a.classes, split_dir=Path(workdir) / "split", aliases=parse_aliases(a.class_alias)) if a.folders else None
         except ValueError as exc:  # DatasetError, ClassListError: the message names the folder
             p.error(f"--folders: {exc}")
         a.channels = 1 if folders is None else folders.channels() if a.channels == "auto" else int(a.channels)

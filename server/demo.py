@@ -44,6 +44,8 @@ GOOD_NAMES = ("ok", "good", "pass", "passed", "normal", "nominal", "no_defect", 
               help="Your own images instead of generated ones: ROOT/<factory>/train|test/<class>/ (or only ROOT/<factory>/<class>/), "
                    "optional ROOT/test and ROOT/proxy (the layout of bench/quality.py --folders; docs/operations.md). One factory per "
                    "folder; classes are the folder names.")
+@click.option("--class-alias", "class_alias", multiple=True, metavar="FOLDER=CLASS",
+              help="With --folders: a folder that holds a class under another name, at any factory (repeatable).")
 @click.option("--train-size", default=600, type=click.IntRange(10), help="Synthetic images per factory.")
 @click.option("--alpha", default=1.0, type=float, help="Dirichlet label skew across factories (smaller = more skewed).")
 @click.option("--min-factories", default=None, type=click.IntRange(1), help="Abort a round below this many good updates (default: factories - 1, at least 1).")
@@ -67,7 +69,7 @@ GOOD_NAMES = ("ok", "good", "pass", "passed", "normal", "nominal", "no_defect", 
               "each architecture is its own group and line of versions; distillation transfers across groups.")
 @click.option("--set", "overrides", multiple=True, help="Any other run-config key, e.g. --set distill-epochs=10 (repeatable).")
 def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str, json_path: str | None, architecture: str,
-         folders: str | None, train_size: int, alpha: float, min_factories: int | None, round_timeout: float, lr: float, secure: bool, dp: bool, epsilon: float,
+         folders: str | None, class_alias: tuple[str, ...], train_size: int, alpha: float, min_factories: int | None, round_timeout: float, lr: float, secure: bool, dp: bool, epsilon: float,
          dp_secure_sum: bool, dp_max_grad_norm: float | str, parallelism: str, local_world_size: int, dashboard_port: int, admin_token: str | None, distill: str, architectures: str,
          overrides: tuple[str, ...]) -> None:
     """Run a local demo federation over real Flower processes on 127.0.0.1."""
@@ -96,12 +98,14 @@ def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str
     }
     factory_args: dict[int, list[str]] = {}
     chosen = parse_overrides(overrides)
+    if class_alias and not folders:
+        raise click.UsageError("--class-alias maps folder names: it applies to --folders")
     if folders:
         ctx = click.get_current_context()
         if given := [f"--{name.replace('_', '-')}" for name in ("factories", "train_size", "alpha")
                      if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]:
             raise click.UsageError(f"{', '.join(given)}: the generated data's, not --folders' (one factory per folder, its own images)")
-        factories, own_config, factory_args = own_folders(Path(folders), root, chosen)
+        factories, own_config, factory_args = own_folders(Path(folders), root, chosen, class_alias)
         run_config |= own_config
     run_config |= chosen
     with ProcessSet(root / "logs") as procs:
@@ -141,17 +145,16 @@ def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str
         raise SystemExit(1)
 
 
-def own_folders(path: Path, root: Path, chosen: dict[str, Any]) -> tuple[int, dict[str, Any], dict[int, list[str]]]:
+def own_folders(path: Path, root: Path, chosen: dict[str, Any], aliases: tuple[str, ...] = ()) -> tuple[int, dict[str, Any], dict[int, list[str]]]:
     """``--folders``: the number of factories, the run-config keys (class list, channels: RGB if any factory's images are in
     colour, central test and proxy folders; ``chosen``, the ``--set`` keys, override them) and each factory's ``fedforge
-    client`` flags (its training folder, the class list) of the federation under ``path``."""
-    from common.data.classes import format_classes
-    from common.data.folder import DatasetError
+    client`` flags (its training folder, the class list, the ``aliases``) of the federation under ``path``."""
+    from common.data.classes import format_classes, parse_aliases
     from common.data.layout import FolderFederation
 
     try:
-        layout = FolderFederation.at(path, split_dir=root / "split")
-    except DatasetError as exc:
+        layout = FolderFederation.at(path, split_dir=root / "split", aliases=parse_aliases(aliases))
+    except ValueError as exc:  # DatasetError, ClassListError: the message names the folder or the alias
         raise click.BadParameter(str(exc), param_hint="--folders") from None
     if layout.split:
         console.print(f"  --folders: {layout.describe_split()}")
@@ -165,7 +168,8 @@ def own_folders(path: Path, root: Path, chosen: dict[str, Any]) -> tuple[int, di
     console.print(f"  {len(layout.factories)} factories from {path} ({', '.join(d.name for d in layout.factories)}), classes {list(layout.classes)}, "
                   f"read as {'RGB' if run_config['channels'] == 3 else 'grey'}, central test set {run_config['test-data']}, "
                   f"proxy set {layout.proxy or 'none'}")
-    return len(layout.factories), run_config, {i: ["--data", str(train), "--classes", classes] for i, train in enumerate(layout.trains)}
+    flags = ["--classes", classes, *layout.alias_flags()]
+    return len(layout.factories), run_config, {i: ["--data", str(train), *flags] for i, train in enumerate(layout.trains)}
 
 
 def follow_run(registry: Registry, run_id: str, rounds: int, home: Path, flwr_run_id: str, procs: ProcessSet,

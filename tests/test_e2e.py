@@ -114,35 +114,6 @@ def _demo(tmp_path, name: str, *flags: str, train_size: int = 600) -> tuple[dict
     return json.loads(path.read_text()), proc
 
 
-def test_demo_on_your_own_folders(tmp_path, no_leftover_processes):
-    """`fedforge demo --folders ROOT`: one factory per folder (train/test, train/val, or class folders only, which the demo
-    splits), class names with a space, the factories' test images as the central test set, ROOT/proxy as the proxy set."""
-    root = tmp_path / "images"
-    names = {"Good": "ok", "Scratch Mark": "scratch", "dent": "crack"}
-    for part, seed in (("train", 1), ("test", 2)):
-        _write_folder(root / "plant-a" / part, names, 9 if part == "train" else 3, seed, (64, 64), "L", "png")
-        _write_folder(root / "plant-b" / ("val" if part == "test" else part), names, 9 if part == "train" else 3, seed + 2, (80, 60), "RGB", "jpg")
-    _write_folder(root / "plant-c", {"Good": "ok", "Scratch Mark": "scratch"}, 12, 5, (64, 64), "L", "png")  # no split of its own
-    _write_folder(root / "proxy", {"any": "ok", "other": "pit"}, 10, 6, (64, 64), "L", "png")
-    summary_path = tmp_path / "summary.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "common.cli", "demo", "--folders", str(root), "--rounds", "1", "--local-epochs", "1", "--set", "image-size=32",
-         "--workdir", str(tmp_path / "demo"), "--json", str(summary_path)],
-        capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + log_tails(tmp_path / "demo")
-    summary = json.loads(summary_path.read_text())
-    assert summary["status"] == "finished" and summary["rounds"][0]["participants"] == ["factory-0", "factory-1", "factory-2"]
-    assert "['plant-c'] have no train/test folders" in " ".join(proc.stderr.split())
-    registry = Registry.at(tmp_path / "demo" / "central" / "registry")
-    version = registry.versions(summary["run_id"])[-1]
-    assert version.model_input["classes"] == ["Good", "Scratch Mark", "dent"] and "accuracy" in version.metrics
-    assert version.model_input["channels"] == 1  # grey images, also those saved as RGB JPEG
-    central = {p.resolve() for p in (tmp_path / "demo" / "central-test").rglob("*") if p.is_file()}
-    assert len(central) == 3 * 3 + 3 * 3 + 2 * 3  # every factory's test images: plant-c's every 4th of 12 per class
-    assert not central & {p.resolve() for p in (root / "plant-a" / "train").rglob("*")}
-    assert summary["final_federated"]["escape_rate"] is not None  # "Good" taken as the good parts
-
-
 def test_the_pretrained_default_learns_far_faster_than_a_model_from_scratch(default_demo):
     """The default recipe (frozen EfficientNet-Lite0, federated head) after 2 secure rounds over real processes, against
     `cnn-small` from scratch after the same 2 rounds of FedAvg on the same factories' data (in process, same local epochs)."""
@@ -187,37 +158,41 @@ def _write_folder(root, classes: dict[str, str], per_class: int, seed: int, size
 
 
 def test_own_image_folders_with_other_classes_missing_ones_and_an_ok_only_factory(tmp_path, no_leftover_processes):
-    """Three factories point `fedforge client --data` at their own folders: class names of their own, one without a
-    `dent` folder (and an alias for its good parts), one with only good parts; RGB JPEGs of another size beside grey PNGs.
-    Every factory takes part in every round, the final version has federated figures, and a run whose rounds all
-    abort is reported as failed."""
-    classes = "good,scratch,crack,dent"
-    data = tmp_path / "data"
-    _write_folder(data / "a", {"good": "ok", "scratch": "scratch", "crack": "crack", "dent": "pit"}, 20, 1, (64, 64), "L", "png")
-    _write_folder(data / "b", {"OK-parts": "ok", "scratch": "scratch", "crack": "crack"}, 20, 2, (80, 60), "RGB", "jpg")
-    _write_folder(data / "c", {"good": "ok"}, 30, 3, (64, 64), "L", "png")
-    common = ["--classes", classes]
-    args = {0: ["--data", str(data / "a"), *common], 1: ["--data", str(data / "b"), "--class-alias", "OK-parts=good", *common],
-            2: ["--data", str(data / "c"), *common]}
-    root = tmp_path / "fed"
-    with ProcessSet(root / "logs") as procs:
-        fed = LocalFederation(root, procs, num_factories=3, factory_args=args)
-        fed.start()
-        run = {"classes": classes, "good-class": "good", "image-size": 48, "local-epochs": 1, "min-factories": 3, "round-timeout": 120.0}
-        flwr_run_id = fed.submit(fed.run_config(2, **run))
-        registry = Registry.at(fed.registry_dir)
-        finished = wait_for_run(registry, f"run-{flwr_run_id}", timeout=400, procs=procs)
-        aborting = fed.submit(fed.run_config(1, **{**run, "min-factories": 4}))
-        failed = wait_for_run(registry, f"run-{aborting}", timeout=200, procs=procs)
-
-    assert finished.status == "finished", finished.error
-    rounds = registry.rounds(f"run-{flwr_run_id}")
-    assert [r.participants for r in rounds] == [["factory-0", "factory-1", "factory-2"]] * 2, [r.failures for r in rounds]
-    versions = registry.versions(f"run-{flwr_run_id}")
-    assert all(v.model_input["classes"] == classes.split(",") and v.model_input["image_size"] == 48 for v in versions)
-    assert all("accuracy" not in v.metrics for v in versions)  # factories hold their own images: no generated central test set
+    """`fedforge demo --folders ROOT`: each factory's `fedforge client --data` is its own folder. Class names of their own
+    (one with a space); a factory without a `dent` folder, whose good parts are in `OK-parts` (an alias), with RGB JPEGs
+    of another size beside the others' grey PNGs and a `val/` folder; an ok-only factory with class folders only, which
+    the demo splits. Every factory takes part in every round; the factories' test images are the central test set, and
+    the final version has federated figures from every factory's own held-out split."""
+    root = tmp_path / "images"
+    for part, per_class, seed in (("train", 9, 1), ("test", 3, 2)):
+        _write_folder(root / "plant-a" / part, {"Good": "ok", "Scratch Mark": "scratch", "crack": "crack", "dent": "pit"}, per_class, seed,
+                      (64, 64), "L", "png")
+        _write_folder(root / "plant-b" / ("val" if part == "test" else part), {"OK-parts": "ok", "Scratch Mark": "scratch", "crack": "crack"},
+                      per_class, seed + 2, (80, 60), "RGB", "jpg")
+    _write_folder(root / "plant-c", {"Good": "ok"}, 20, 5, (64, 64), "L", "png")  # good parts only, and no split of its own
+    _write_folder(root / "proxy", {"any": "ok", "other": "pit"}, 10, 6, (64, 64), "L", "png")
+    summary_path = tmp_path / "summary.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "common.cli", "demo", "--folders", str(root), "--class-alias", "OK-parts=Good", "--rounds", "2",
+         "--local-epochs", "1", "--min-factories", "3", "--set", "image-size=48", "--workdir", str(tmp_path / "demo"), "--json", str(summary_path)],
+        capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + log_tails(tmp_path / "demo")
+    summary = json.loads(summary_path.read_text())
+    assert summary["status"] == "finished"
+    assert [r["participants"] for r in summary["rounds"]] == [["factory-0", "factory-1", "factory-2"]] * 2, [r["failures"] for r in summary["rounds"]]
+    assert "['plant-c'] have no train/test folders" in " ".join(proc.stderr.split())
+    registry = Registry.at(tmp_path / "demo" / "central" / "registry")
+    versions = registry.versions(summary["run_id"])
+    classes = ["Good", "Scratch Mark", "crack", "dent"]
+    assert all(v.model_input["classes"] == classes and v.model_input["image_size"] == 48 for v in versions)
+    assert versions[-1].model_input["channels"] == 1  # grey images, also those saved as RGB JPEG
+    central = {p.resolve() for p in (tmp_path / "demo" / "central-test").rglob("*") if p.is_file()}
+    assert len(central) == 4 * 3 + 3 * 3 + 5  # every factory's test images: plant-c's every 4th of 20
+    assert {p.name for p in (tmp_path / "demo" / "central-test").iterdir()} == set(classes)  # OK-parts' images under Good
+    assert not central & {p.resolve() for p in (root / "plant-a" / "train").rglob("*")} and "accuracy" in versions[-1].metrics
     final = registry.latest_evaluation(versions[-1].id)
-    assert final.phase == "final" and final.factories == 3 and final.classes == classes.split(",")
-    assert final.examples == 2 + 2 + 2 + 2 + 2 + 2 + 2 + 3  # every factory's stratified held-out split: 10% of each class folder
-    assert final.figures["escape-rate"] is not None and final.figures["recall"]["dent"] is not None
-    assert failed.status == "failed" and "aborted" in failed.error and "secure aggregation needs 4" in failed.error
+    assert final.phase == "final" and final.factories == 3 and final.classes == classes
+    assert final.examples == 4 + 3 + 2  # every factory's stratified held-out split: 10% of each class folder, at least one
+    assert final.figures["escape-rate"] is not None and final.figures["recall"]["dent"] is not None  # "Good" is the good parts
+
+

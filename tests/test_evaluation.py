@@ -140,6 +140,35 @@ def test_a_run_whose_every_round_aborts_ends_failed_with_the_reason(tmp_path):
     assert run.status == "failed" and "all 2 rounds aborted" in run.error and "1 good updates, 2 required" in run.error
     assert [r.status for r in registry.rounds("run-42")] == ["aborted", "aborted"]
 
+    # a secure run that asks for more factories than are connected: every round aborts before a key is exchanged
+    grid = ScriptedGrid({i: factory(f"f{i}", plus(0.01)) for i in (1, 2, 3)})
+    Federation(grid, _config(tmp_path, secure_aggregation=True, min_factories=4, expected_factories=3, num_server_rounds=1),
+               flwr_run_id="44").run()
+    run = registry.get_run("run-44")
+    assert run.status == "failed" and "aborted" in run.error and "3 factories connected, secure aggregation needs 4" in run.error
+
+
+def test_the_central_test_set_is_a_folder_or_generated_only_for_generated_factories(tmp_path):
+    """A server whose factories hold their own images never scores versions on generated images of other optics and
+    classes: without test-data it has no central test set, and the factories' federated figures are the measure."""
+    from PIL import Image
+
+    from server.central import CentralData
+
+    assert CentralData(_config(tmp_path), tmp_path).test is None
+    generated = CentralData(_config(tmp_path), tmp_path)
+    generated.choose_test_set(factories_generated=True)
+    assert generated.test is not None and len(generated.test) == 60
+    own = CentralData(_config(tmp_path), tmp_path)
+    own.choose_test_set(factories_generated=False)
+    assert own.test is None
+    for name in ("ok", "crack"):
+        (tmp_path / "test" / name).mkdir(parents=True)
+        Image.fromarray(np.full((20, 20), 99, np.uint8)).save(tmp_path / "test" / name / "0.png")
+    folder = CentralData(_config(tmp_path, test_data=str(tmp_path / "test")), tmp_path)
+    folder.choose_test_set(factories_generated=False)
+    assert folder.test is not None and len(folder.test) == 2
+
 
 def test_a_factory_whose_classes_do_not_fit_is_left_out_with_the_reason(tmp_path, caplog):
     def misfit(msg: Message) -> Message:

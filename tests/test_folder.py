@@ -265,23 +265,35 @@ def test_the_quality_bench_reads_val_folders_and_splits_a_factory_without_any(mo
     """Data sets name a factory's held-out folder `val` as often as `test`, or give a factory only its class folders: the
     bench takes the first and holds every 4th image of each class out of the second, the same images on every run."""
     import importlib
+    import shutil
     from pathlib import Path
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
     quality = importlib.import_module("quality")
+    work, tmp_path = tmp_path, tmp_path / "root"  # ROOT, and beside it where the splits go
     for part in ("training", "val"):
         _write(tmp_path / "plant-a" / part / "bolt" / "0.png")
     for name, count in (("bolt", 8), ("nut", 3), ("washer", 1)):
         for i in range(count):
             _write(tmp_path / "plant-b" / name / "deep" / f"{i}.png", 10 * i)
-    folders = quality.Folders.at(tmp_path, split_dir=tmp_path / "split")
+    folders = quality.Folders.at(tmp_path, split_dir=work / "split")
     assert folders.classes == ("bolt", "nut", "washer")
     assert folders.trains[0] == tmp_path / "plant-a" / "training" and folders.tests[0] == tmp_path / "plant-a" / "val"
     train, test = (load_image_folder(d, 8, folders.classes)[0] for d in (folders.trains[1], folders.tests[1]))
     assert np.bincount(test.labels, minlength=3).tolist() == [2, 1, 0] and np.bincount(train.labels, minlength=3).tolist() == [6, 2, 1]
     held_out = sorted(p.resolve() for p in folders.tests[1].rglob("*.png"))
-    assert sorted(p.resolve() for p in quality.Folders.at(tmp_path, split_dir=tmp_path / "again").tests[1].rglob("*.png")) == held_out
+    assert sorted(p.resolve() for p in quality.Folders.at(tmp_path, split_dir=work / "again").tests[1].rglob("*.png")) == held_out
     assert not set(held_out) & {p.resolve() for p in folders.trains[1].rglob("*.png")}
+    monkeypatch.chdir(work)  # a relative ROOT gives paths other processes (the demo's server and factories) can open
+    relative = quality.Folders.at("root", split_dir="inside-no-factory")
+    assert all(p.is_absolute() for p in (*relative.trains, *relative.tests, relative.proxy or work)) and len(relative.factories) == 2
+    (tmp_path / "fedforge-demo" / "split").mkdir(parents=True)  # the demo's work directory inside ROOT is no factory either
+    assert [d.name for d in quality.Folders.at(tmp_path, split_dir=tmp_path / "fedforge-demo" / "split").factories] == ["plant-a", "plant-b"]
+    shutil.rmtree(tmp_path / "fedforge-demo")
+    aliased = quality.Folders.at(tmp_path, split_dir=work / "aliased", aliases={"washer": "nut"})  # --class-alias washer=nut
+    assert aliased.classes == ("bolt", "nut") and aliased.alias_flags() == ["--class-alias", "washer=nut"]
+    central = aliased.central_test_folder(work / "central")  # no ROOT/test: links to every factory's test images, by class
+    assert sorted(p.name for p in central.iterdir()) == ["bolt", "nut"] and len(list(central.rglob("*.png"))) == 1 + 2 + 1
     # --channels auto: grey images (also saved as RGB JPEG) read as grey; one colour factory makes the run read RGB
     _write(tmp_path / "plant-a" / "training" / "nut" / "grey.jpg", 120, mode="RGB")
     assert folders.channels() == 1

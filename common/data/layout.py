@@ -9,7 +9,8 @@ read ROOT, so that trying FedForge on your own images and measuring it on them s
     ROOT/test/<class>/*.png              optional: the central test set
     ROOT/proxy/**/*.png                  optional: unlabelled public images of the domain (the run's proxy set)
 
-Folders starting with ``.`` are never read. The class list is every class folder's name (NFC), sorted, unless given.
+Folders starting with ``.`` are never read. The class list is every class folder's name (NFC; through the aliases, as
+``--class-alias OK-parts=good`` maps a factory's folder), sorted, unless given.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from __future__ import annotations
 import hashlib
 import shutil
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from common.data.classes import normalise_name, parse_classes
+from common.data.classes import normalise_name, parse_aliases, parse_classes
 from common.data.datasets import ImageDataset
 from common.data.folder import IMAGE_SUFFIXES, DatasetError, load_image_folder
 from common.data.images import ImageError, read_image
@@ -48,18 +50,21 @@ class FolderFederation:
     tests: tuple[Path, ...] = ()  # and its test folder
     split: tuple[str, ...] = ()  # the factories split here (no train/test folders of their own)
     split_root: Path | None = None  # where their split lives (links to their images)
+    aliases: Mapping[str, str] = field(default_factory=dict)  # folder name -> class name, for every factory and test folder
 
     @classmethod
-    def at(cls, root: str | Path, classes: str = "", split_dir: str | Path | None = None) -> FolderFederation:
+    def at(cls, root: str | Path, classes: str = "", split_dir: str | Path | None = None,
+           aliases: Mapping[str, str] | None = None) -> FolderFederation:
         """The federation under ``root`` (layout: the module doc); raises `DatasetError` naming what is missing. A factory
         folder that holds class folders directly is split (`split_unsplit`) into ``split_dir`` (default: a temporary directory)."""
-        root = Path(root)
+        root = Path(root).absolute()  # its paths go to other processes, which may run elsewhere
         if not root.is_dir():
             raise DatasetError(f"{root} does not exist or is not a directory")
-        factories = tuple(d for d in _folders(root) if d.name not in RESERVED)
+        work = Path(split_dir).resolve() if split_dir else None  # a work directory inside ROOT (the demo's) is no factory
+        factories = tuple(d for d in _folders(root) if d.name not in RESERVED and not (work and work.is_relative_to(d.resolve())))
         pairs = [(_first_dir(d, TRAIN_NAMES), _first_dir(d, TEST_NAMES)) for d in factories]
         unsplit = [i for i, (d, (train, test)) in enumerate(zip(factories, pairs)) if train is None and test is None and _folders(d)]
-        split_root = Path(split_dir or tempfile.mkdtemp(prefix="fedforge-split-")) if unsplit else None
+        split_root = Path(split_dir or tempfile.mkdtemp(prefix="fedforge-split-")).absolute() if unsplit else None
         for i in unsplit:
             pairs[i] = split_unsplit(factories[i], split_root / factories[i].name)  # type: ignore[operator]
         missing = [f"{d}/{'|'.join(names)}" for d, pair in zip(factories, pairs) for names, part in zip((TRAIN_NAMES, TEST_NAMES), pair)
@@ -71,10 +76,16 @@ class FolderFederation:
         central = root / "test" if (root / "test").is_dir() else None
         # every class folder of the factories and of the central test set: a class no factory holds is still a class the
         # global model is tested on (and gets wrong), not a reason to refuse the run
-        found = sorted({normalise_name(c.name) for part in (*trains, *tests, *([central] if central else [])) for c in _folders(part)})
+        aliases = parse_aliases(aliases or {})
+        names = {normalise_name(c.name) for part in (*trains, *tests, *([central] if central else [])) for c in _folders(part)}
+        found = sorted({aliases.get(n, n) for n in names})
         proxy = root / "proxy" if (root / "proxy").is_dir() else None
         return cls(factories, central, parse_classes(classes or found), proxy, trains, tests,
-                   tuple(factories[i].name for i in unsplit), split_root)
+                   tuple(factories[i].name for i in unsplit), split_root, aliases)
+
+    def alias_flags(self) -> list[str]:
+        """The aliases as ``fedforge client`` flags (every factory gets all of them: one without the folder ignores it)."""
+        return [flag for folder, name in sorted(self.aliases.items()) for flag in ("--class-alias", f"{folder}={name}")]
 
     def describe_split(self) -> str:
         """A line saying which factories were split here and how ('' if none)."""
@@ -92,23 +103,25 @@ class FolderFederation:
         return 3 if any(_median_chroma(folder, sample) > COLOUR_CHROMA for folder in self.trains) else 1
 
     def central_test_folder(self, out: Path) -> Path:
-        """ROOT/test, or without one a folder at ``out`` of links to every factory's test images (each class's images of
-        all factories in one class folder): the central test set a server of this federation evaluates on."""
-        if self.central_test is not None:
+        """The central test set a server of this federation evaluates on, named by class (a server's folders take no
+        aliases): ROOT/test as it is, or else a folder at ``out`` of links to ROOT/test's images, or without one to every
+        factory's test images, in one folder per class."""
+        if self.central_test is not None and not self.aliases:
             return self.central_test
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
-        for f, folder in enumerate(self.tests):
+        for f, folder in enumerate([self.central_test] if self.central_test is not None else self.tests):
             for class_dir in _folders(folder):
-                for i, image in enumerate(p for p in sorted(class_dir.rglob("*")) if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES):
-                    link = out / class_dir.name / f"{f:03d}-{i:06d}{image.suffix.lower()}"
+                name = self.aliases.get(normalise_name(class_dir.name), class_dir.name)
+                for i, image in enumerate(sorted(_images(class_dir))):
+                    link = out / name / f"{f:03d}-{class_dir.name}-{i:06d}{image.suffix.lower()}"
                     link.parent.mkdir(parents=True, exist_ok=True)
                     link.symlink_to(image.resolve())
         return out
 
     def test_set(self, folder: Path, size: int, channels: int) -> ImageDataset:
         """A labelled folder decoded in memory, labelled by the federation's class list."""
-        data, _report = load_image_folder(folder, size, self.classes, channels)
+        data, _report = load_image_folder(folder, size, self.classes, channels, aliases=self.aliases)
         return ImageDataset(data.images_at(np.arange(len(data))), np.asarray(data.labels), self.classes)
 
 
