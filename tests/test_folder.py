@@ -328,3 +328,22 @@ def test_class_names_with_spaces_and_other_scripts_load_and_survive_the_run_conf
         parse_classes("ok,.hidden")
     with pytest.raises(ClassListError, match="1-64 characters"):
         parse_classes(["ok", "x" * 65])
+
+
+def test_a_factory_with_colour_images_in_a_grey_run_says_so(tmp_path, caplog):
+    """Colour read as grey throws information away (3.8-4.7 points on two held-out colour data sets): the factory's log
+    says so when a run asks for grey; grey images, also saved as RGB, read as grey without a word."""
+    import logging
+
+    for i in range(4):
+        _write(tmp_path / "grey" / "ok" / f"{i}.jpg", 100 + i, mode="RGB")
+        tint = np.zeros((30, 40, 3), np.uint8) + np.array([140 + i, 100, 60], np.uint8)
+        (tmp_path / "colour" / "ok").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(tint).save(tmp_path / "colour" / "ok" / f"{i}.png")
+    for folder, warned in (("grey", False), ("colour", True)):
+        source = open_source(str(tmp_path / folder), ",".join(CLASSES), (), None, 0)  # type: ignore[arg-type]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="client.data"):
+            source.load(DataRequest(CLASSES, 16, 1), 1 << 30)
+            source.load(DataRequest(CLASSES, 16, 3), 1 << 30)
+        assert ("holds colour images" in caplog.text and "channels = 3" in caplog.text) == warned, caplog.text

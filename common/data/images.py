@@ -20,7 +20,9 @@ and an inspection station's request are resized the same way:
 
 from __future__ import annotations
 
+import hashlib
 import io
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +129,23 @@ def decode_image_bytes(data: bytes, size: int, channels: int = 1, max_bytes: int
     if len(data) > max_bytes:
         raise ImageError(f"image of {len(data)} bytes exceeds the {max_bytes} byte limit")
     return _decode(io.BytesIO(data), size, channels, "image")
+
+
+COLOUR_CHROMA = 0.02  # median mean chroma above which images count as colour (grey images saved as RGB PNG or JPEG: 0)
+
+
+def median_chroma(paths: Sequence[Path], sample: int = 32) -> float:
+    """The median over up to ``sample`` of ``paths`` (a fixed choice: the first by the SHA-256 of the path) of each image's
+    mean chroma (max - min over R, G, B at 32 px) in [0, 1]; unreadable images are skipped (loading names them)."""
+    chosen = sorted(paths, key=lambda p: hashlib.sha256(Path(p).as_posix().encode()).hexdigest())[:sample]
+    values = []
+    for path in chosen:
+        try:
+            rgb = read_image(path, 32, channels=3)
+        except ImageError:
+            continue
+        values.append(float((rgb.max(axis=0) - rgb.min(axis=0)).mean()))
+    return float(np.median(values)) if values else 0.0
 
 
 def grey_to_channels(images: np.ndarray, channels: int) -> np.ndarray:

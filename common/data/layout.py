@@ -27,7 +27,7 @@ import numpy as np
 from common.data.classes import normalise_name, parse_aliases, parse_classes
 from common.data.datasets import ImageDataset
 from common.data.folder import IMAGE_SUFFIXES, DatasetError, load_image_folder
-from common.data.images import ImageError, read_image
+from common.data.images import COLOUR_CHROMA, median_chroma
 
 __all__ = ["TEST_NAMES", "TRAIN_NAMES", "UNSPLIT_TEST_SHARE", "FolderFederation", "split_unsplit"]
 
@@ -35,7 +35,6 @@ TRAIN_NAMES = ("train", "training")  # a factory's training folder, by the names
 TEST_NAMES = ("test", "val", "valid", "validation", "holdout")  # and its own held-out folder
 UNSPLIT_TEST_SHARE = 4  # a factory without the two folders: every 4th image of each class (in a fixed hash order) is its test set
 RESERVED = ("test", "proxy")  # ROOT's folders that are not factories
-COLOUR_CHROMA = 0.02  # mean chroma above which a factory's images count as colour (grey images saved as RGB PNG or JPEG: 0)
 
 
 @dataclass(frozen=True)
@@ -100,7 +99,7 @@ class FolderFederation:
         A factory's images are colour when the median of its sampled images' mean chroma (max - min over R, G, B, at 32 px)
         exceeds `COLOUR_CHROMA`: grey images saved as RGB or JPEG have almost none. Grey images read as RGB give the
         backbone exactly the input grey gives it, so a federation with one colour factory loses nothing on its grey ones."""
-        return 3 if any(_median_chroma(folder, sample) > COLOUR_CHROMA for folder in self.trains) else 1
+        return 3 if any(median_chroma(_images(folder), sample) > COLOUR_CHROMA for folder in self.trains) else 1
 
     def central_test_folder(self, out: Path) -> Path:
         """The central test set a server of this federation evaluates on, named by class (a server's folders take no
@@ -127,20 +126,6 @@ class FolderFederation:
 
 def _images(folder: Path) -> list[Path]:
     return [p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")]
-
-
-def _median_chroma(folder: Path, sample: int) -> float:
-    """The median over up to ``sample`` images of ``folder`` (a fixed choice: the first by the hash of their path) of each
-    one's mean chroma in [0, 1]; unreadable images are skipped (the run names them when it loads the folder)."""
-    chosen = sorted(_images(folder), key=lambda p: hashlib.sha256(p.relative_to(folder).as_posix().encode()).hexdigest())[:sample]
-    values = []
-    for path in chosen:
-        try:
-            rgb = read_image(path, 32, channels=3)
-        except ImageError:
-            continue
-        values.append(float((rgb.max(axis=0) - rgb.min(axis=0)).mean()))
-    return float(np.median(values)) if values else 0.0
 
 
 def _folders(parent: Path) -> list[Path]:
