@@ -360,8 +360,9 @@ def main() -> None:
             p.error(f"--folders: {exc}")
         a.channels = 1 if folders is None else folders.channels() if a.channels == "auto" else int(a.channels)
         if folders:
-            if folders.split:
-                print(f"--folders {a.folders}: {folders.describe_split()}", flush=True)
+            for line in (folders.describe_split(), folders.case_clashes()):
+                if line:
+                    print(f"--folders {a.folders}: {line}", flush=True)
             a.settings = "folders"
             size = a.image_size or FederationConfig.image_size
             print(f"{len(folders.factories)} factories from {a.folders}, classes {list(folders.classes)}, read as "

@@ -156,8 +156,9 @@ def own_folders(path: Path, root: Path, chosen: dict[str, Any], aliases: tuple[s
         layout = FolderFederation.at(path, split_dir=root / "split", aliases=parse_aliases(aliases))
     except ValueError as exc:  # DatasetError, ClassListError: the message names the folder or the alias
         raise click.BadParameter(str(exc), param_hint="--folders") from None
-    if layout.split:
-        console.print(f"  --folders: {layout.describe_split()}")
+    for line in (layout.describe_split(), layout.case_clashes()):
+        if line:
+            console.print(f"  --folders: {line}")
     classes = format_classes(layout.classes)
     run_config = {"classes": classes, "test-data": str(layout.central_test_folder(root / "central-test")), "channels": layout.channels(),
                   **({"proxy-data": str(layout.proxy)} if layout.proxy else {})}

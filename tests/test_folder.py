@@ -290,6 +290,11 @@ def test_the_quality_bench_reads_val_folders_and_splits_a_factory_without_any(mo
     (tmp_path / "fedforge-demo" / "split").mkdir(parents=True)  # the demo's work directory inside ROOT is no factory either
     assert [d.name for d in quality.Folders.at(tmp_path, split_dir=tmp_path / "fedforge-demo" / "split").factories] == ["plant-a", "plant-b"]
     shutil.rmtree(tmp_path / "fedforge-demo")
+    assert folders.case_clashes() == ""
+    _write(tmp_path / "plant-a" / "training" / "Nut" / "0.png")  # two folders that differ only in case: two classes, and a hint
+    clash = quality.Folders.at(tmp_path, split_dir=work / "clash")
+    assert clash.classes == ("Nut", "bolt", "nut", "washer") and "--class-alias nut=Nut" in clash.case_clashes()
+    shutil.rmtree(tmp_path / "plant-a" / "training" / "Nut")
     aliased = quality.Folders.at(tmp_path, split_dir=work / "aliased", aliases={"washer": "nut"})  # --class-alias washer=nut
     assert aliased.classes == ("bolt", "nut") and aliased.alias_flags() == ["--class-alias", "washer=nut"]
     central = aliased.central_test_folder(work / "central")  # no ROOT/test: links to every factory's test images, by class

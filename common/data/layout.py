@@ -86,6 +86,19 @@ class FolderFederation:
         """The aliases as ``fedforge client`` flags (every factory gets all of them: one without the folder ignores it)."""
         return [flag for folder, name in sorted(self.aliases.items()) for flag in ("--class-alias", f"{folder}={name}")]
 
+    def case_clashes(self) -> str:
+        """A line naming the classes whose names differ only in case ('' if none): two classes to the model, most likely
+        one to the people who named the folders."""
+        groups: dict[str, list[str]] = {}
+        for name in self.classes:
+            groups.setdefault(name.casefold(), []).append(name)
+        clashes = [names for names in groups.values() if len(names) > 1]
+        if not clashes:
+            return ""
+        first = clashes[0]
+        return (f"classes {clashes} differ only in case and train as different classes; if they are one, add "
+                f"--class-alias {first[1]}={first[0]}")
+
     def describe_split(self) -> str:
         """A line saying which factories were split here and how ('' if none)."""
         if not self.split:
