@@ -291,6 +291,11 @@ def test_the_quality_bench_reads_val_folders_and_splits_a_factory_without_any(mo
     assert [d.name for d in quality.Folders.at(tmp_path, split_dir=tmp_path / "fedforge-demo" / "split").factories] == ["plant-a", "plant-b"]
     shutil.rmtree(tmp_path / "fedforge-demo")
     assert folders.case_clashes() == ""
+    (tmp_path / "plant-z" / "train" / "bolt").mkdir(parents=True)  # a factory with folders but no images is named, not trained
+    (tmp_path / "plant-z" / "test").mkdir()
+    with pytest.raises(DatasetError, match=r"plant-z/train', '.*plant-z/test'\] hold no image files"):
+        quality.Folders.at(tmp_path, split_dir=work / "empty")
+    shutil.rmtree(tmp_path / "plant-z")
     _write(tmp_path / "plant-a" / "training" / "Nut" / "0.png")  # two folders that differ only in case: two classes, and a hint
     clash = quality.Folders.at(tmp_path, split_dir=work / "clash")
     assert clash.classes == ("Nut", "bolt", "nut", "washer") and "--class-alias nut=Nut" in clash.case_clashes()

@@ -72,6 +72,8 @@ class FolderFederation:
             raise DatasetError(f"{root}: expected two or more factory folders, each with train/ and test/ folders or only class folders"
                                + (f"; missing {missing}" if missing else f", found {[d.name for d in factories]}"))
         trains, tests = (tuple(p for p in part if p is not None) for part in zip(*pairs))
+        if empty := [str(folder) for folder in (*trains, *tests) if not _images(folder)]:
+            raise DatasetError(f"{empty} hold no image files (expected <class>/<image>, formats {sorted(IMAGE_SUFFIXES)})")
         central = root / "test" if (root / "test").is_dir() else None
         # every class folder of the factories and of the central test set: a class no factory holds is still a class the
         # global model is tested on (and gets wrong), not a reason to refuse the run
