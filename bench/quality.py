@@ -177,7 +177,7 @@ class Bench:
         self.trainers = [FactoryTrainer(AgentConfig(
             factory_id=f"f{i}", factory_index=i, num_factories=factories, data_seed=seed, alpha=alpha, train_size=train_size,
             data=str(folders.trains[i]) if folders else "synthetic", classes=",".join(self.classes),
-            class_alias=tuple(f"{k}={v}" for k, v in folders.aliases.items()) if folders else (),
+            class_alias=folders.alias_pairs() if folders else (),
             state_dir=str(state / f"f{i}"), dp=dp_epsilon > 0, dp_epsilon=dp_epsilon or 8.0, dp_planned_rounds=rounds, dp_secure_sum=secure_sum,
             dp_max_grad_norm=max_grad_norm))
             for i in range(factories)]

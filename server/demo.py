@@ -147,7 +147,7 @@ def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str
 
 def own_folders(path: Path, root: Path, chosen: dict[str, Any], aliases: tuple[str, ...] = ()) -> tuple[int, dict[str, Any], dict[int, list[str]]]:
     """``--folders``: the number of factories, the run-config keys (class list, channels: RGB if any factory's images are in
-    colour, central test and proxy folders; ``chosen``, the ``--set`` keys, override them) and each factory's ``fedforge
+    colour unless ``chosen``, the ``--set`` keys, name them; central test and proxy folders) and each factory's ``fedforge
     client`` flags (its training folder, the class list, the ``aliases``) of the federation under ``path``."""
     from common.data.classes import format_classes, parse_aliases
     from common.data.layout import FolderFederation
@@ -160,14 +160,14 @@ def own_folders(path: Path, root: Path, chosen: dict[str, Any], aliases: tuple[s
         if line:
             console.print(f"  --folders: {line}")
     classes = format_classes(layout.classes)
-    run_config = {"classes": classes, "test-data": str(layout.central_test_folder(root / "central-test")), "channels": layout.channels(),
+    channels = chosen["channels"] if "channels" in chosen else layout.channels()  # images are decoded only when it is not set
+    run_config = {"classes": classes, "test-data": str(layout.central_test_folder(root / "central-test")), "channels": channels,
                   **({"proxy-data": str(layout.proxy)} if layout.proxy else {})}
     good = [c for c in layout.classes if c.casefold() in GOOD_NAMES]
     if len(good) == 1:  # escape and false-reject rates need the class of good parts; --set good-class=... names another
         run_config["good-class"] = good[0]
-    run_config |= chosen
     console.print(f"  {len(layout.factories)} factories from {path} ({', '.join(d.name for d in layout.factories)}), classes {list(layout.classes)}, "
-                  f"read as {'RGB' if run_config['channels'] == 3 else 'grey'}, central test set {run_config['test-data']}, "
+                  f"read as {'RGB' if channels == 3 else 'grey'}, central test set {run_config['test-data']}, "
                   f"proxy set {layout.proxy or 'none'}")
     flags = ["--classes", classes, *layout.alias_flags()]
     return len(layout.factories), run_config, {i: ["--data", str(train), *flags] for i, train in enumerate(layout.trains)}

@@ -95,11 +95,11 @@ def assign_folders(folders: Iterable[str], classes: Sequence[str], aliases: Mapp
     Names compare in NFC form (`normalise_name`); the keys of the result are the folder names as on disk.
     """
     known = {normalise_name(c) for c in classes}
+    aliases = {normalise_name(f): normalise_name(n) for f, n in aliases.items()}
     for folder, name in aliases.items():
         if name not in known:
             raise ClassListError(f"class alias {folder}={name}: {name!r} is not in the class list {list(classes)}")
     out = {}
-    aliases = {normalise_name(f): normalise_name(n) for f, n in aliases.items()}
     for folder in sorted(folders):
         name = aliases.get(normalise_name(folder), normalise_name(folder))
         if name not in known:

@@ -62,6 +62,11 @@ class FolderIndex:
         return out
 
 
+def image_files(folder: Path) -> list[Path]:
+    """The image files under ``folder`` at any depth, sorted; files starting with ``.`` are never read."""
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES and not p.name.startswith("."))
+
+
 def index_image_folder(root: str | Path, classes: Sequence[str] = DEFAULT_CLASSES, aliases: Mapping[str, str] | None = None) -> FolderIndex:
     """List ``root/<folder>/<image>`` and map each folder to a class of ``classes`` by name or alias.
 
@@ -81,10 +86,9 @@ def index_image_folder(root: str | Path, classes: Sequence[str] = DEFAULT_CLASSE
         log.warning("data folder %s: %d images outside any class folder are ignored (e.g. %s)", root, len(loose), loose[0])
     paths, names = [], []
     for folder in folders:
-        for path in sorted((root / folder).rglob("*")):
-            if path.is_file() and path.suffix.lower() in SUFFIXES and not path.name.startswith("."):
-                paths.append(path)
-                names.append(mapping[folder])
+        for path in image_files(root / folder):
+            paths.append(path)
+            names.append(mapping[folder])
     if not paths:
         raise DatasetError(f"data folder {root} holds no image files (expected {root}/<class>/<image>.png; formats {sorted(SUFFIXES)})")
     return FolderIndex(root, tuple(paths), tuple(names), mapping)

@@ -26,7 +26,7 @@ import numpy as np
 
 from common.data.classes import normalise_name, parse_aliases, parse_classes
 from common.data.datasets import ImageDataset
-from common.data.folder import IMAGE_SUFFIXES, DatasetError, load_image_folder
+from common.data.folder import IMAGE_SUFFIXES, DatasetError, image_files, load_image_folder
 from common.data.images import COLOUR_CHROMA, median_chroma
 
 __all__ = ["TEST_NAMES", "TRAIN_NAMES", "UNSPLIT_TEST_SHARE", "FolderFederation", "split_unsplit"]
@@ -72,7 +72,7 @@ class FolderFederation:
             raise DatasetError(f"{root}: expected two or more factory folders, each with train/ and test/ folders or only class folders"
                                + (f"; missing {missing}" if missing else f", found {[d.name for d in factories]}"))
         trains, tests = (tuple(p for p in part if p is not None) for part in zip(*pairs))
-        if empty := [str(folder) for folder in (*trains, *tests) if not _images(folder)]:
+        if empty := [str(folder) for folder in (*trains, *tests) if not image_files(folder)]:
             raise DatasetError(f"{empty} hold no image files (expected <class>/<image>, formats {sorted(IMAGE_SUFFIXES)})")
         central = root / "test" if (root / "test").is_dir() else None
         # every class folder of the factories and of the central test set: a class no factory holds is still a class the
@@ -84,9 +84,14 @@ class FolderFederation:
         return cls(factories, central, parse_classes(classes or found), proxy, trains, tests,
                    tuple(factories[i].name for i in unsplit), split_root, aliases)
 
+    def alias_pairs(self) -> tuple[str, ...]:
+        """The aliases as ``FOLDER=CLASS`` (`client.config.AgentConfig.class_alias`; every factory gets all of them: one
+        without the folder ignores it)."""
+        return tuple(f"{folder}={name}" for folder, name in sorted(self.aliases.items()))
+
     def alias_flags(self) -> list[str]:
-        """The aliases as ``fedforge client`` flags (every factory gets all of them: one without the folder ignores it)."""
-        return [flag for folder, name in sorted(self.aliases.items()) for flag in ("--class-alias", f"{folder}={name}")]
+        """The aliases as ``fedforge client`` flags."""
+        return [flag for pair in self.alias_pairs() for flag in ("--class-alias", pair)]
 
     def case_clashes(self) -> str:
         """A line naming the classes whose names differ only in case ('' if none): two classes to the model, most likely
@@ -114,7 +119,7 @@ class FolderFederation:
         A factory's images are colour when the median of its sampled images' mean chroma (max - min over R, G, B, at 32 px)
         exceeds `COLOUR_CHROMA`: grey images saved as RGB or JPEG have almost none. Grey images read as RGB give the
         backbone exactly the input grey gives it, so a federation with one colour factory loses nothing on its grey ones."""
-        return 3 if any(median_chroma(_images(folder), sample) > COLOUR_CHROMA for folder in self.trains) else 1
+        return 3 if any(median_chroma(image_files(folder), sample) > COLOUR_CHROMA for folder in self.trains) else 1
 
     def central_test_folder(self, out: Path) -> Path:
         """The central test set a server of this federation evaluates on, named by class (a server's folders take no
@@ -127,7 +132,7 @@ class FolderFederation:
         for f, folder in enumerate([self.central_test] if self.central_test is not None else self.tests):
             for class_dir in _folders(folder):
                 name = self.aliases.get(normalise_name(class_dir.name), class_dir.name)
-                for i, image in enumerate(sorted(_images(class_dir))):
+                for i, image in enumerate(image_files(class_dir)):
                     link = out / name / f"{f:03d}-{class_dir.name}-{i:06d}{image.suffix.lower()}"
                     link.parent.mkdir(parents=True, exist_ok=True)
                     link.symlink_to(image.resolve())
@@ -137,10 +142,6 @@ class FolderFederation:
         """A labelled folder decoded in memory, labelled by the federation's class list."""
         data, _report = load_image_folder(folder, size, self.classes, channels, aliases=self.aliases)
         return ImageDataset(data.images_at(np.arange(len(data))), np.asarray(data.labels), self.classes)
-
-
-def _images(folder: Path) -> list[Path]:
-    return [p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")]
 
 
 def _folders(parent: Path) -> list[Path]:
@@ -159,7 +160,7 @@ def split_unsplit(factory: Path, out: Path) -> tuple[Path, Path]:
         shutil.rmtree(out / part, ignore_errors=True)
         (out / part).mkdir(parents=True)
     for class_dir in _folders(factory):
-        images = _images(class_dir)
+        images = image_files(class_dir)
         images.sort(key=lambda p: hashlib.sha256(p.relative_to(factory).as_posix().encode()).hexdigest())
         for i, image in enumerate(images):
             held_out = i % UNSPLIT_TEST_SHARE == UNSPLIT_TEST_SHARE - 1 or (i == 0 and 1 < len(images) < UNSPLIT_TEST_SHARE)
