@@ -49,9 +49,11 @@ order, not the data):
                                          validation/, holdout/)
     ROOT/<factory>/<class>/*.png         instead of the two: every 4th image of each class, in a fixed order (the hash of
                                          its path, not the seeds), is held out as the factory's test set
-    ROOT/test/<class>/*.png              optional: the central test set (default: every factory's test images)
-    ROOT/proxy/**/*.png                  optional: unlabelled public images of the domain (the run's proxy set), never
-                                         a factory's; under --dp the factories learn the subspace they train in from them
+    ROOT/test/<class>/*.png              optional: the central test set (default: every factory's test images; or
+                                         central_test/, global_test/, holdout/, eval/)
+    ROOT/proxy/**/*.png                  optional: unlabelled public images of the domain (the run's proxy set; or public/,
+                                         unlabeled/), never a factory's; under --dp the factories learn the subspace they
+                                         train in from them
 
 (`common.data.layout`; `fedforge demo --folders ROOT` runs the same federation over real processes.)
 Class names are the folders' (any factory may lack any class); `--classes a,b,c` fixes their order, and

@@ -42,7 +42,7 @@ GOOD_NAMES = ("ok", "good", "pass", "passed", "normal", "nominal", "no_defect", 
 @click.option("--architecture", default=None, help="Model architecture: effnet-lite0 (pretrained, frozen; the default), cnn-small, cnn-medium, cnn-large.")
 @click.option("--folders", default=None, type=click.Path(exists=True, file_okay=False),
               help="Your own images instead of generated ones: ROOT/<factory>/train|test/<class>/ (or only ROOT/<factory>/<class>/), "
-                   "optional ROOT/test and ROOT/proxy (the layout of bench/quality.py --folders; docs/operations.md). One factory per "
+                   "optional ROOT/test (or central_test/, holdout/) and ROOT/proxy (or public/, unlabeled/) (the layout of bench/quality.py --folders; docs/operations.md). One factory per "
                    "folder; classes are the folder names.")
 @click.option("--class-alias", "class_alias", multiple=True, metavar="FOLDER=CLASS",
               help="With --folders: a folder that holds a class under another name, at any factory (repeatable).")

@@ -261,6 +261,31 @@ def test_the_quality_bench_takes_a_class_only_the_central_test_set_holds(monkeyp
     assert sorted(central.labels.tolist()) == [0, 2]
 
 
+def test_other_names_for_the_central_test_and_proxy_folders_are_never_taken_for_factories(tmp_path):
+    """Other data sets write the central test set as `Central-Test/` or `holdout/` and the public images as `unlabelled/`:
+    read as unsplit factories, the federation would train on its own test set. They take those roles; two candidates for
+    one role are refused by name, and a folder of images without class folders is told where public images go."""
+    from common.data.layout import FolderFederation
+
+    for factory in ("plant-a", "plant-b"):
+        for part in ("train", "test"):
+            _write(tmp_path / factory / part / "bolt" / "0.png")
+    _write(tmp_path / "Central-Test" / "nut" / "0.png")
+    _write(tmp_path / "unlabelled" / "1.png")
+    folders = FolderFederation.at(tmp_path)
+    assert [d.name for d in folders.factories] == ["plant-a", "plant-b"]
+    assert folders.central_test == tmp_path / "Central-Test" and folders.proxy == tmp_path / "unlabelled"
+    assert folders.classes == ("bolt", "nut")
+    _write(tmp_path / "holdout" / "nut" / "0.png")
+    with pytest.raises(DatasetError, match=r"\['Central-Test', 'holdout'\] could each be the central test set"):
+        FolderFederation.at(tmp_path)
+    (tmp_path / "holdout").rename(tmp_path / "extras")
+    (tmp_path / "extras" / "nut" / "0.png").rename(tmp_path / "extras" / "0.png")
+    (tmp_path / "extras" / "nut").rmdir()
+    with pytest.raises(DatasetError, match=r"\['extras'\] hold images but no class folders: .* name the folder proxy/"):
+        FolderFederation.at(tmp_path)
+
+
 def test_the_quality_bench_reads_val_folders_and_splits_a_factory_without_any(monkeypatch, tmp_path):
     """Data sets name a factory's held-out folder `val` as often as `test`, or give a factory only its class folders: the
     bench takes the first and holds every 4th image of each class out of the second, the same images on every run."""

@@ -6,10 +6,13 @@ read ROOT, so that trying FedForge on your own images and measuring it on them s
                                          validation/, holdout/)
     ROOT/<factory>/<class>/*.png         instead of the two: every 4th image of each class, in a fixed order (the SHA-256
                                          of its path), is held out as the factory's test set (`split_unsplit`)
-    ROOT/test/<class>/*.png              optional: the central test set
-    ROOT/proxy/**/*.png                  optional: unlabelled public images of the domain (the run's proxy set)
+    ROOT/test/<class>/*.png              optional: the central test set (or central_test/, global_test/, holdout/, eval/)
+    ROOT/proxy/**/*.png                  optional: unlabelled public images of the domain (the run's proxy set; or public/,
+                                         unlabeled/, unlabelled/)
 
-Folders starting with ``.`` are never read. The class list is every class folder's name (NFC; through the aliases, as
+Folders starting with ``.`` are never read. ROOT's folder names are compared ignoring case, ``-``, ``_`` and spaces
+(``Central-Test`` is ``central_test``), so a folder other data sets write for the central test set or the proxy set is
+never taken for a factory and trained on. The class list is every class folder's name (NFC; through the aliases, as
 ``--class-alias OK-parts=good`` maps a factory's folder), sorted, unless given.
 """
 
@@ -29,12 +32,15 @@ from common.data.datasets import ImageDataset
 from common.data.folder import IMAGE_SUFFIXES, DatasetError, image_files, load_image_folder
 from common.data.images import COLOUR_CHROMA, median_chroma
 
-__all__ = ["TEST_NAMES", "TRAIN_NAMES", "UNSPLIT_TEST_SHARE", "FolderFederation", "split_unsplit"]
+__all__ = ["CENTRAL_TEST_NAMES", "PROXY_NAMES", "TEST_NAMES", "TRAIN_NAMES", "UNSPLIT_TEST_SHARE", "FolderFederation", "split_unsplit"]
 
 TRAIN_NAMES = ("train", "training")  # a factory's training folder, by the names data sets commonly give it
 TEST_NAMES = ("test", "val", "valid", "validation", "holdout")  # and its own held-out folder
 UNSPLIT_TEST_SHARE = 4  # a factory without the two folders: every 4th image of each class (in a fixed hash order) is its test set
-RESERVED = ("test", "proxy")  # ROOT's folders that are not factories
+# ROOT's folders that are not factories, by the names data sets commonly give them (compared by `_folder_key`)
+CENTRAL_TEST_NAMES = ("test", "tests", "test_set", "central_test", "global_test", "server_test", "holdout", "held_out", "eval",
+                      "evaluation")
+PROXY_NAMES = ("proxy", "proxy_set", "public", "public_set", "unlabeled", "unlabelled")
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,8 @@ class FolderFederation:
         if not root.is_dir():
             raise DatasetError(f"{root} does not exist or is not a directory")
         work = Path(split_dir).resolve() if split_dir else None  # a work directory inside ROOT (the demo's) is no factory
-        factories = tuple(d for d in _folders(root) if d.name not in RESERVED and not (work and work.is_relative_to(d.resolve())))
+        central, proxy = _reserved(root, "central test set", CENTRAL_TEST_NAMES), _reserved(root, "proxy set", PROXY_NAMES)
+        factories = tuple(d for d in _folders(root) if d not in (central, proxy) and not (work and work.is_relative_to(d.resolve())))
         pairs = [(_first_dir(d, TRAIN_NAMES), _first_dir(d, TEST_NAMES)) for d in factories]
         unsplit = [i for i, (d, (train, test)) in enumerate(zip(factories, pairs)) if train is None and test is None and _folders(d)]
         split_root = Path(split_dir or tempfile.mkdtemp(prefix="fedforge-split-")).absolute() if unsplit else None
@@ -68,19 +75,20 @@ class FolderFederation:
             pairs[i] = split_unsplit(factories[i], split_root / factories[i].name)  # type: ignore[operator]
         missing = [f"{d}/{'|'.join(names)}" for d, pair in zip(factories, pairs) for names, part in zip((TRAIN_NAMES, TEST_NAMES), pair)
                    if part is None]
+        flat = [d.name for d, pair in zip(factories, pairs) if pair == (None, None) and image_files(d)]
         if len(factories) < 2 or missing:
             raise DatasetError(f"{root}: expected two or more factory folders, each with train/ and test/ folders or only class folders"
-                               + (f"; missing {missing}" if missing else f", found {[d.name for d in factories]}"))
+                               + (f"; missing {missing}" if missing else f", found {[d.name for d in factories]}")
+                               + (f"; {flat} hold images but no class folders: if they are unlabelled public images of the domain, "
+                                  f"name the folder proxy/" if flat else ""))
         trains, tests = (tuple(p for p in part if p is not None) for part in zip(*pairs))
         if empty := [str(folder) for folder in (*trains, *tests) if not image_files(folder)]:
             raise DatasetError(f"{empty} hold no image files (expected <class>/<image>, formats {sorted(IMAGE_SUFFIXES)})")
-        central = root / "test" if (root / "test").is_dir() else None
         # every class folder of the factories and of the central test set: a class no factory holds is still a class the
         # global model is tested on (and gets wrong), not a reason to refuse the run
         aliases = parse_aliases(aliases or {})
         names = {normalise_name(c.name) for part in (*trains, *tests, *([central] if central else [])) for c in _folders(part)}
         found = sorted({aliases.get(n, n) for n in names})
-        proxy = root / "proxy" if (root / "proxy").is_dir() else None
         return cls(factories, central, parse_classes(classes or found), proxy, trains, tests,
                    tuple(factories[i].name for i in unsplit), split_root, aliases)
 
@@ -146,6 +154,21 @@ class FolderFederation:
 
 def _folders(parent: Path) -> list[Path]:
     return [c for c in sorted(parent.iterdir()) if c.is_dir() and not c.name.startswith(".")]
+
+
+def _folder_key(name: str) -> str:
+    """A folder's name as ROOT's reserved names are compared: ``Central-Test``, ``central_test`` and ``central test`` are one."""
+    return "".join(c for c in name.casefold() if c not in "-_ ")
+
+
+def _reserved(root: Path, what: str, names: tuple[str, ...]) -> Path | None:
+    """ROOT's one folder named as one of ``names`` (None without one); two are refused, naming them, rather than one of them
+    being taken for a factory."""
+    keys = {_folder_key(n) for n in names}
+    found = [d for d in _folders(root) if _folder_key(d.name) in keys]
+    if len(found) > 1:
+        raise DatasetError(f"{root}: {[d.name for d in found]} could each be the {what}; keep one of them (or rename the others)")
+    return found[0] if found else None
 
 
 def _first_dir(parent: Path, names: tuple[str, ...]) -> Path | None:
