@@ -55,7 +55,8 @@ order, not the data):
                                          unlabeled/), never a factory's; under --dp the factories learn the subspace they
                                          train in from them
 
-(`common.data.layout`; `fedforge demo --folders ROOT` runs the same federation over real processes.)
+(`common.data.layout`, which also takes the factories in one folder, ROOT/sites/<factory>/..., and other names for the
+two optional folders; `fedforge demo --folders ROOT` runs the same federation over real processes.)
 Class names are the folders' (any factory may lack any class); `--classes a,b,c` fixes their order, and
 `--class-alias OK-parts=good` maps a folder named otherwise (repeatable).
 """

@@ -284,6 +284,14 @@ def test_other_names_for_the_central_test_and_proxy_folders_are_never_taken_for_
     (tmp_path / "extras" / "nut").rmdir()
     with pytest.raises(DatasetError, match=r"\['extras'\] hold images but no class folders: .* name the folder proxy/"):
         FolderFederation.at(tmp_path)
+    (tmp_path / "extras" / "0.png").unlink()
+    (tmp_path / "extras").rmdir()
+    (tmp_path / "sites").mkdir()  # the factories in one folder of ROOT's: they are still the factories, beside ROOT's test and proxy
+    for factory in ("plant-a", "plant-b"):
+        (tmp_path / factory).rename(tmp_path / "sites" / factory)
+    nested = FolderFederation.at(tmp_path)
+    assert [d.name for d in nested.factories] == ["plant-a", "plant-b"] and nested.trains[0] == tmp_path / "sites" / "plant-a" / "train"
+    assert nested.central_test == tmp_path / "Central-Test" and nested.proxy == tmp_path / "unlabelled"
 
 
 def test_the_quality_bench_reads_val_folders_and_splits_a_factory_without_any(monkeypatch, tmp_path):

@@ -1,7 +1,8 @@
 """A whole federation's image folders on one disk: how ``fedforge demo --folders`` and ``bench/quality.py --folders``
 read ROOT, so that trying FedForge on your own images and measuring it on them see the same federation.
 
-    ROOT/<factory>/train/<class>/*.png   one directory per factory (any name; sorted), its training images (or training/)
+    ROOT/<factory>/train/<class>/*.png   one directory per factory (any name; sorted), its training images (or training/);
+                                         the factories may also sit in one folder of ROOT's (ROOT/sites/<factory>/train/...)
     ROOT/<factory>/test/<class>/*.png    images of that factory's own distribution, never trained on (or val/, valid/,
                                          validation/, holdout/)
     ROOT/<factory>/<class>/*.png         instead of the two: every 4th image of each class, in a fixed order (the SHA-256
@@ -68,6 +69,8 @@ class FolderFederation:
         work = Path(split_dir).resolve() if split_dir else None  # a work directory inside ROOT (the demo's) is no factory
         central, proxy = _reserved(root, "central test set", CENTRAL_TEST_NAMES), _reserved(root, "proxy set", PROXY_NAMES)
         factories = tuple(d for d in _folders(root) if d not in (central, proxy) and not (work and work.is_relative_to(d.resolve())))
+        if len(factories) == 1 and _is_container(factories[0]):  # ROOT/factories/<factory>/train/...: one folder holding them all
+            factories = tuple(_folders(factories[0]))
         pairs = [(_first_dir(d, TRAIN_NAMES), _first_dir(d, TEST_NAMES)) for d in factories]
         unsplit = [i for i, (d, (train, test)) in enumerate(zip(factories, pairs)) if train is None and test is None and _folders(d)]
         split_root = Path(split_dir or tempfile.mkdtemp(prefix="fedforge-split-")).absolute() if unsplit else None
@@ -169,6 +172,12 @@ def _reserved(root: Path, what: str, names: tuple[str, ...]) -> Path | None:
     if len(found) > 1:
         raise DatasetError(f"{root}: {[d.name for d in found]} could each be the {what}; keep one of them (or rename the others)")
     return found[0] if found else None
+
+
+def _is_container(folder: Path) -> bool:
+    """Whether ``folder`` holds the factories rather than being one (ROOT/sites/<factory>/train/...): two or more of its
+    folders have a training folder of their own. A factory's class folders never do."""
+    return sum(_first_dir(d, TRAIN_NAMES) is not None for d in _folders(folder)) >= 2
 
 
 def _first_dir(parent: Path, names: tuple[str, ...]) -> Path | None:
