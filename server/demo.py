@@ -107,6 +107,10 @@ def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str
             raise click.UsageError(f"{', '.join(given)}: the generated data's, not --folders' (one factory per folder, its own images)")
         factories, own_config, factory_args = own_folders(Path(folders), root, chosen, class_alias)
         run_config |= own_config
+        if dp and not (chosen.get("proxy-data") or own_config.get("proxy-data")):
+            console.print(f"  --folders: {folders} has no proxy folder of unlabelled public images (proxy/, public/ or unlabeled/), so "
+                          "under --dp the factories train the whole head, far less accurately (docs/operations.md, \"Factories that "
+                          "train with DP\")")
     run_config |= chosen
     with ProcessSet(root / "logs") as procs:
         flags = ["--dp", "--dp-epsilon", str(epsilon), "--dp-planned-rounds", str(rounds), "--dp-max-grad-norm", str(dp_max_grad_norm)] if dp else []
