@@ -372,9 +372,8 @@ def main() -> None:
             proxy = f"{folders.proxy.name}/" if folders.proxy else "none"
             print(f"{len(folders.factories)} factories from {a.folders}, classes {list(folders.classes)}, read as "
                   f"{'RGB' if a.channels == 3 else 'grey'} at {size} px; central test set {central}; proxy set {proxy}", flush=True)
-            if a.dp and not a.no_public and folders.proxy is None:
-                print(f"--folders {a.folders}: no proxy folder of unlabelled public images (proxy/, public/ or unlabeled/), so under --dp "
-                      "DP-SGD trains the whole head, as --no-public does", flush=True)
+            if a.dp and not a.no_public and (line := folders.no_public_images()):
+                print(f"--folders {a.folders}: {line}", flush=True)
         rows = run_all(a, recipes, overrides, folders, Path(workdir))
     print_tables(a, rows, overrides)
 

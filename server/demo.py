@@ -105,12 +105,8 @@ def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str
         if given := [f"--{name.replace('_', '-')}" for name in ("factories", "train_size", "alpha")
                      if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]:
             raise click.UsageError(f"{', '.join(given)}: the generated data's, not --folders' (one factory per folder, its own images)")
-        factories, own_config, factory_args = own_folders(Path(folders), root, chosen, class_alias)
+        factories, own_config, factory_args = own_folders(Path(folders), root, chosen, class_alias, dp)
         run_config |= own_config
-        if dp and not (chosen.get("proxy-data") or own_config.get("proxy-data")):
-            console.print(f"  --folders: {folders} has no proxy folder of unlabelled public images (proxy/, public/ or unlabeled/), so "
-                          "under --dp the factories train the whole head, far less accurately (docs/operations.md, \"Factories that "
-                          "train with DP\")")
     run_config |= chosen
     with ProcessSet(root / "logs") as procs:
         flags = ["--dp", "--dp-epsilon", str(epsilon), "--dp-planned-rounds", str(rounds), "--dp-max-grad-norm", str(dp_max_grad_norm)] if dp else []
@@ -149,10 +145,12 @@ def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str
         raise SystemExit(1)
 
 
-def own_folders(path: Path, root: Path, chosen: dict[str, Any], aliases: tuple[str, ...] = ()) -> tuple[int, dict[str, Any], dict[int, list[str]]]:
+def own_folders(path: Path, root: Path, chosen: dict[str, Any], aliases: tuple[str, ...] = (),
+                dp: bool = False) -> tuple[int, dict[str, Any], dict[int, list[str]]]:
     """``--folders``: the number of factories, the run-config keys (class list, channels: RGB if any factory's images are in
     colour unless ``chosen``, the ``--set`` keys, name them; central test and proxy folders) and each factory's ``fedforge
-    client`` flags (its training folder, the class list, the ``aliases``) of the federation under ``path``."""
+    client`` flags (its training folder, the class list, the ``aliases``) of the federation under ``path``. With ``dp`` and
+    no proxy folder (nor a ``proxy-data`` in ``chosen``) it says what DP loses."""
     from common.data.classes import format_classes, parse_aliases
     from common.data.layout import FolderFederation
 
@@ -160,7 +158,8 @@ def own_folders(path: Path, root: Path, chosen: dict[str, Any], aliases: tuple[s
         layout = FolderFederation.at(path, split_dir=root / "split", aliases=parse_aliases(aliases))
     except ValueError as exc:  # DatasetError, ClassListError: the message names the folder or the alias
         raise click.BadParameter(str(exc), param_hint="--folders") from None
-    for line in (layout.describe_split(), layout.case_clashes()):
+    no_public = layout.no_public_images() if dp and "proxy-data" not in chosen else ""
+    for line in (layout.describe_split(), layout.case_clashes(), no_public):
         if line:
             console.print(f"  --folders: {line}")
     classes = format_classes(layout.classes)

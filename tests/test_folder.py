@@ -275,7 +275,7 @@ def test_other_names_for_the_central_test_and_proxy_folders_are_never_taken_for_
     folders = FolderFederation.at(tmp_path)
     assert [d.name for d in folders.factories] == ["plant-a", "plant-b"]
     assert folders.central_test == tmp_path / "Central-Test" and folders.proxy == tmp_path / "unlabelled"
-    assert folders.classes == ("bolt", "nut")
+    assert folders.classes == ("bolt", "nut") and folders.no_public_images() == ""
     _write(tmp_path / "holdout" / "nut" / "0.png")
     with pytest.raises(DatasetError, match=r"\['Central-Test', 'holdout'\] could each be the central test set"):
         FolderFederation.at(tmp_path)
@@ -292,6 +292,9 @@ def test_other_names_for_the_central_test_and_proxy_folders_are_never_taken_for_
     nested = FolderFederation.at(tmp_path)
     assert [d.name for d in nested.factories] == ["plant-a", "plant-b"] and nested.trains[0] == tmp_path / "sites" / "plant-a" / "train"
     assert nested.central_test == tmp_path / "Central-Test" and nested.proxy == tmp_path / "unlabelled"
+    (tmp_path / "unlabelled" / "1.png").unlink()
+    (tmp_path / "unlabelled").rmdir()
+    assert "no proxy folder" in FolderFederation.at(tmp_path).no_public_images()  # under DP: the whole head, and the user is told
 
 
 def test_the_quality_bench_reads_val_folders_and_splits_a_factory_without_any(monkeypatch, tmp_path):

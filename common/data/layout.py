@@ -78,8 +78,8 @@ class FolderFederation:
             pairs[i] = split_unsplit(factories[i], split_root / factories[i].name)  # type: ignore[operator]
         missing = [f"{d}/{'|'.join(names)}" for d, pair in zip(factories, pairs) for names, part in zip((TRAIN_NAMES, TEST_NAMES), pair)
                    if part is None]
-        flat = [d.name for d, pair in zip(factories, pairs) if pair == (None, None) and image_files(d)]
         if len(factories) < 2 or missing:
+            flat = [d.name for d, pair in zip(factories, pairs) if pair == (None, None) and image_files(d)]
             raise DatasetError(f"{root}: expected two or more factory folders, each with train/ and test/ folders or only class folders"
                                + (f"; missing {missing}" if missing else f", found {[d.name for d in factories]}")
                                + (f"; {flat} hold images but no class folders: if they are unlabelled public images of the domain, "
@@ -116,6 +116,13 @@ class FolderFederation:
         first = clashes[0]
         return (f"classes {clashes} differ only in case and train as different classes; if they are one, add "
                 f"--class-alias {first[1]}={first[0]}")
+
+    def no_public_images(self) -> str:
+        """A line saying what DP loses without a proxy folder ('' with one): the factories then train the whole head."""
+        if self.proxy is not None:
+            return ""
+        return ("no proxy folder of unlabelled public images (proxy/, public/ or unlabeled/), so under DP the factories train "
+                "the whole head, far less accurately (docs/operations.md, \"Factories that train with DP\")")
 
     def describe_split(self) -> str:
         """A line saying which factories were split here and how ('' if none)."""
