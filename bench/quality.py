@@ -55,8 +55,9 @@ order, not the data):
                                          unlabeled/), never a factory's; under --dp the factories learn the subspace they
                                          train in from them
 
-(`common.data.layout`, which also takes the factories in one folder, ROOT/sites/<factory>/..., and other names for the
-two optional folders; `fedforge demo --folders ROOT` runs the same federation over real processes.)
+(`common.data.layout`, which also takes the factories in one folder, ROOT/sites/<factory>/..., or split first,
+ROOT/train/<factory>/<class> beside ROOT/test/<factory>/<class>, and other names for the two optional folders;
+`fedforge demo --folders ROOT` runs the same federation over real processes.)
 Class names are the folders' (any factory may lack any class); `--classes a,b,c` fixes their order, and
 `--class-alias OK-parts=good` maps a folder named otherwise (repeatable).
 """

@@ -180,7 +180,7 @@ def test_own_image_folders_with_other_classes_missing_ones_and_an_ok_only_factor
     summary = json.loads(summary_path.read_text())
     assert summary["status"] == "finished"
     assert [r["participants"] for r in summary["rounds"]] == [["factory-0", "factory-1", "factory-2"]] * 2, [r["failures"] for r in summary["rounds"]]
-    assert "['plant-c'] have no train/test folders" in " ".join(proc.stderr.split())
+    assert "['plant-c'] have no test folders of their own" in " ".join(proc.stderr.split())
     registry = Registry.at(tmp_path / "demo" / "central" / "registry")
     versions = registry.versions(summary["run_id"])
     classes = ["Good", "Scratch Mark", "crack", "dent"]

@@ -297,6 +297,35 @@ def test_other_names_for_the_central_test_and_proxy_folders_are_never_taken_for_
     assert "no proxy folder" in FolderFederation.at(tmp_path).no_public_images()  # under DP: the whole head, and the user is told
 
 
+def test_a_root_split_first_holds_the_factories_inside_its_train_and_test_folders(tmp_path):
+    """Data sets are as often written split first (`train/<factory>/<class>`, `test/<factory>/<class>`): there `test/` holds
+    the factories' own test images, not the central test set, and a factory without a test folder is split as an unsplit
+    one. A `test/` of classes beside a `val/` of factories is still the central test set; a test folder of a factory that has
+    no training folder is refused by name rather than dropped."""
+    from common.data.layout import FolderFederation
+
+    for factory in ("plant-a", "plant-b", "plant-c"):
+        for i in range(4):
+            _write(tmp_path / "Train" / factory / "bolt" / f"{i}.png")
+    for factory in ("plant-a", "plant-b"):
+        _write(tmp_path / "test" / factory / "nut" / "0.png")
+    _write(tmp_path / "unlabeled" / "0.png")
+    folders = FolderFederation.at(tmp_path, split_dir=tmp_path.parent / "split")
+    assert [d.name for d in folders.factories] == ["plant-a", "plant-b", "plant-c"] and folders.central_test is None
+    assert folders.trains[:2] == (tmp_path / "Train" / "plant-a", tmp_path / "Train" / "plant-b")
+    assert folders.tests[:2] == (tmp_path / "test" / "plant-a", tmp_path / "test" / "plant-b")
+    assert folders.split == ("plant-c",) and len(list((tmp_path.parent / "split" / "plant-c" / "test" / "bolt").iterdir())) == 1
+    assert folders.classes == ("bolt", "nut") and folders.proxy == tmp_path / "unlabeled"
+    (tmp_path / "test").rename(tmp_path / "val")
+    _write(tmp_path / "test" / "washer" / "0.png")
+    both = FolderFederation.at(tmp_path, split_dir=tmp_path.parent / "split")
+    assert both.central_test == tmp_path / "test" and both.tests[0] == tmp_path / "val" / "plant-a"
+    assert both.classes == ("bolt", "nut", "washer")
+    _write(tmp_path / "val" / "plant-z" / "nut" / "0.png")
+    with pytest.raises(DatasetError, match=r"\['plant-z'\] have no training folder in .*Train"):
+        FolderFederation.at(tmp_path, split_dir=tmp_path.parent / "split")
+
+
 def test_the_quality_bench_reads_val_folders_and_splits_a_factory_without_any(monkeypatch, tmp_path):
     """Data sets name a factory's held-out folder `val` as often as `test`, or give a factory only its class folders: the
     bench takes the first and holds every 4th image of each class out of the second, the same images on every run."""

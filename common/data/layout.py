@@ -11,6 +11,12 @@ read ROOT, so that trying FedForge on your own images and measuring it on them s
     ROOT/proxy/**/*.png                  optional: unlabelled public images of the domain (the run's proxy set; or public/,
                                          unlabeled/, unlabelled/)
 
+or split first, the factories inside the splits (a factory without a test folder there is split as above):
+
+    ROOT/train/<factory>/<class>/*.png   each factory's training images
+    ROOT/test/<factory>/<class>/*.png    its own test images (or val/, ..., as above); beside them the central test set and
+                                         the proxy set as above (then under another name than the factories' test folder's)
+
 Folders starting with ``.`` are never read. ROOT's folder names are compared ignoring case, ``-``, ``_`` and spaces
 (``Central-Test`` is ``central_test``), so a folder other data sets write for the central test set or the proxy set is
 never taken for a factory and trained on. The class list is every class folder's name (NFC; through the aliases, as
@@ -67,12 +73,18 @@ class FolderFederation:
         if not root.is_dir():
             raise DatasetError(f"{root} does not exist or is not a directory")
         work = Path(split_dir).resolve() if split_dir else None  # a work directory inside ROOT (the demo's) is no factory
-        central, proxy = _reserved(root, "central test set", CENTRAL_TEST_NAMES), _reserved(root, "proxy set", PROXY_NAMES)
-        factories = tuple(d for d in _folders(root) if d not in (central, proxy) and not (work and work.is_relative_to(d.resolve())))
-        if len(factories) == 1 and _is_container(factories[0]):  # ROOT/factories/<factory>/train/...: one folder holding them all
-            factories = tuple(_folders(factories[0]))
-        pairs = [(_first_dir(d, TRAIN_NAMES), _first_dir(d, TEST_NAMES)) for d in factories]
-        unsplit = [i for i, (d, (train, test)) in enumerate(zip(factories, pairs)) if train is None and test is None and _folders(d)]
+        splits = _split_first(root)  # ROOT/train/<factory>/..., ROOT/test/<factory>/...: neither is the central test set
+        central = _reserved(root, "central test set", CENTRAL_TEST_NAMES, skip=splits)
+        proxy = _reserved(root, "proxy set", PROXY_NAMES, skip=splits)
+        if splits:
+            factories, pairs = _factories_in_splits(*splits)
+        else:
+            factories = tuple(d for d in _folders(root) if d not in (central, proxy) and not (work and work.is_relative_to(d.resolve())))
+            if len(factories) == 1 and _is_container(factories[0]):  # ROOT/factories/<factory>/train/...: one folder holding them all
+                factories = tuple(_folders(factories[0]))
+            pairs = [(_first_dir(d, TRAIN_NAMES), _first_dir(d, TEST_NAMES)) for d in factories]
+        unsplit = [i for i, (d, (train, test)) in enumerate(zip(factories, pairs)) if (train is None or train == d) and test is None
+                   and _folders(d)]
         split_root = Path(split_dir or tempfile.mkdtemp(prefix="fedforge-split-")).absolute() if unsplit else None
         for i in unsplit:
             pairs[i] = split_unsplit(factories[i], split_root / factories[i].name)  # type: ignore[operator]
@@ -128,7 +140,7 @@ class FolderFederation:
         """A line saying which factories were split here and how ('' if none)."""
         if not self.split:
             return ""
-        return (f"{list(self.split)} have no train/test folders: every {UNSPLIT_TEST_SHARE}th image of each class is their test set "
+        return (f"{list(self.split)} have no test folders of their own: every {UNSPLIT_TEST_SHARE}th image of each class is their test set "
                 f"({self.split_root})")
 
     def channels(self, sample: int = 32) -> int:
@@ -171,11 +183,11 @@ def _folder_key(name: str) -> str:
     return "".join(c for c in name.casefold() if c not in "-_ ")
 
 
-def _reserved(root: Path, what: str, names: tuple[str, ...]) -> Path | None:
-    """ROOT's one folder named as one of ``names`` (None without one); two are refused, naming them, rather than one of them
-    being taken for a factory."""
+def _reserved(root: Path, what: str, names: tuple[str, ...], skip: tuple[Path | None, ...] | None = None) -> Path | None:
+    """ROOT's one folder named as one of ``names`` (None without one), other than ``skip`` (the splits that hold the
+    factories); two are refused, naming them, rather than one of them being taken for a factory."""
     keys = {_folder_key(n) for n in names}
-    found = [d for d in _folders(root) if _folder_key(d.name) in keys]
+    found = [d for d in _folders(root) if _folder_key(d.name) in keys and d not in (skip or ())]
     if len(found) > 1:
         raise DatasetError(f"{root}: {[d.name for d in found]} could each be the {what}; keep one of them (or rename the others)")
     return found[0] if found else None
@@ -185,6 +197,36 @@ def _is_container(folder: Path) -> bool:
     """Whether ``folder`` holds the factories rather than being one (ROOT/sites/<factory>/train/...): two or more of its
     folders have a training folder of their own. A factory's class folders never do."""
     return sum(_first_dir(d, TRAIN_NAMES) is not None for d in _folders(folder)) >= 2
+
+
+def _split_first(root: Path) -> tuple[Path, Path | None] | None:
+    """ROOT's training folder and the test folder beside it when they hold the factories (ROOT/train/<factory>/<class>/*):
+    two or more of the training folder's folders hold class folders. In the usual layout ROOT has no training folder, and
+    a training folder of one data set's classes holds images, not class folders. The test folder is the first of
+    `TEST_NAMES` that holds a folder named as one of the factories (None: every factory is split, `split_unsplit`)."""
+    train_keys, test_keys = [_folder_key(n) for n in TRAIN_NAMES], [_folder_key(n) for n in TEST_NAMES]
+    train = next((d for d in _folders(root) if _folder_key(d.name) in train_keys), None)
+    if train is None or sum(_holds_class_folders(d) for d in _folders(train)) < 2:
+        return None
+    factories = {_folder_key(d.name) for d in _folders(train)}
+    tests = sorted((d for d in _folders(root) if _folder_key(d.name) in test_keys), key=lambda d: test_keys.index(_folder_key(d.name)))
+    return train, next((d for d in tests if factories & {_folder_key(f.name) for f in _folders(d)}), None)
+
+
+def _factories_in_splits(train: Path, test: Path | None) -> tuple[tuple[Path, ...], list[tuple[Path, Path | None]]]:
+    """The factories of a split-first ROOT, each with its training folder and its test folder (None: split it here). A test
+    folder of a factory that has no training folder is refused, naming it: its images would otherwise be silently dropped."""
+    factories = tuple(_folders(train))
+    held_out = {_folder_key(d.name): d for d in _folders(test)} if test else {}
+    if orphans := sorted(set(held_out) - {_folder_key(d.name) for d in factories}):
+        raise DatasetError(f"{test}: {[held_out[k].name for k in orphans]} have no training folder in {train} (the factories are "
+                           f"{[d.name for d in factories]})")
+    return factories, [(d, held_out.get(_folder_key(d.name))) for d in factories]
+
+
+def _holds_class_folders(folder: Path) -> bool:
+    """Whether ``folder`` is a factory's set of class folders: folders of its own, one of them holding images."""
+    return any(image_files(d) for d in _folders(folder))
 
 
 def _first_dir(parent: Path, names: tuple[str, ...]) -> Path | None:
