@@ -301,7 +301,8 @@ def test_a_root_split_first_holds_the_factories_inside_its_train_and_test_folder
     """Data sets are as often written split first (`train/<factory>/<class>`, `test/<factory>/<class>`): there `test/` holds
     the factories' own test images, not the central test set, and a factory without a test folder is split as an unsplit
     one. A `test/` of classes beside a `val/` of factories is still the central test set; a test folder of a factory that has
-    no training folder is refused by name rather than dropped."""
+    no training folder is refused by name rather than dropped. In the usual layout, a training folder without a test folder
+    beside it is split the same way."""
     from common.data.layout import FolderFederation
 
     for factory in ("plant-a", "plant-b", "plant-c"):
@@ -324,6 +325,14 @@ def test_a_root_split_first_holds_the_factories_inside_its_train_and_test_folder
     _write(tmp_path / "val" / "plant-z" / "nut" / "0.png")
     with pytest.raises(DatasetError, match=r"\['plant-z'\] have no training folder in .*Train"):
         FolderFederation.at(tmp_path, split_dir=tmp_path.parent / "split")
+    usual = tmp_path.parent / "usual"  # the usual layout, one factory with a training folder and no test folder: it is split too
+    for i in range(4):
+        _write(usual / "plant-a" / "train" / "bolt" / f"{i}.png")
+        _write(usual / "plant-b" / "train" / "bolt" / f"{i}.png")
+    _write(usual / "plant-b" / "test" / "nut" / "0.png")
+    one = FolderFederation.at(usual, split_dir=tmp_path.parent / "split-usual")
+    assert one.split == ("plant-a",) and one.tests[1] == usual / "plant-b" / "test"
+    assert len(list(one.trains[0].glob("bolt/*"))) == 3 and len(list(one.tests[0].glob("bolt/*"))) == 1
 
 
 def test_the_quality_bench_reads_val_folders_and_splits_a_factory_without_any(monkeypatch, tmp_path):

@@ -6,7 +6,8 @@ read ROOT, so that trying FedForge on your own images and measuring it on them s
     ROOT/<factory>/test/<class>/*.png    images of that factory's own distribution, never trained on (or val/, valid/,
                                          validation/, holdout/)
     ROOT/<factory>/<class>/*.png         instead of the two: every 4th image of each class, in a fixed order (the SHA-256
-                                         of its path), is held out as the factory's test set (`split_unsplit`)
+                                         of its path), is held out as the factory's test set (`split_unsplit`); so is every
+                                         4th of a training folder without a test folder beside it
     ROOT/test/<class>/*.png              optional: the central test set (or central_test/, global_test/, holdout/, eval/)
     ROOT/proxy/**/*.png                  optional: unlabelled public images of the domain (the run's proxy set; or public/,
                                          unlabeled/, unlabelled/)
@@ -83,11 +84,11 @@ class FolderFederation:
             if len(factories) == 1 and _is_container(factories[0]):  # ROOT/factories/<factory>/train/...: one folder holding them all
                 factories = tuple(_folders(factories[0]))
             pairs = [(_first_dir(d, TRAIN_NAMES), _first_dir(d, TEST_NAMES)) for d in factories]
-        unsplit = [i for i, (d, (train, test)) in enumerate(zip(factories, pairs)) if (train is None or train == d) and test is None
-                   and _folders(d)]
+        # a factory without a test folder: its training folder (or, without one either, the factory's folder) is split here
+        unsplit = [i for i, (d, (train, test)) in enumerate(zip(factories, pairs)) if test is None and _folders(train or d)]
         split_root = Path(split_dir or tempfile.mkdtemp(prefix="fedforge-split-")).absolute() if unsplit else None
         for i in unsplit:
-            pairs[i] = split_unsplit(factories[i], split_root / factories[i].name)  # type: ignore[operator]
+            pairs[i] = split_unsplit(pairs[i][0] or factories[i], split_root / factories[i].name)  # type: ignore[operator]
         missing = [f"{d}/{'|'.join(names)}" for d, pair in zip(factories, pairs) for names, part in zip((TRAIN_NAMES, TEST_NAMES), pair)
                    if part is None]
         if len(factories) < 2 or missing:
