@@ -214,10 +214,10 @@ def test_the_quality_bench_compares_on_your_own_folders(tmp_path):
         refused = subprocess.run([sys.executable, str(bench), "--set", bad], capture_output=True, text=True, timeout=120, check=False)
         assert refused.returncode == 2 and says in refused.stderr, refused.stderr[-2000:]
 
-    (tmp_path / "root" / "plant-b" / "test").rename(tmp_path / "elsewhere")
+    (tmp_path / "root" / "plant-b" / "train").rename(tmp_path / "elsewhere")  # a test folder without a training folder
     run = subprocess.run([sys.executable, str(bench), "--folders", str(tmp_path / "root")], capture_output=True, text=True, timeout=120, check=False,
                          env={**os.environ, "TMPDIR": str(tmpdir)})
-    assert run.returncode != 0 and "plant-b/test" in run.stderr + run.stdout
+    assert run.returncode != 0 and "plant-b/train" in run.stderr + run.stdout
     assert not [p.name for p in tmpdir.iterdir() if p.name.startswith("fedforge-quality-")]  # nor by a refused command
 
 
