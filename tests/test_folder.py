@@ -302,7 +302,7 @@ def test_a_root_split_first_holds_the_factories_inside_its_train_and_test_folder
     the factories' own test images, not the central test set, and a factory without a test folder is split as an unsplit
     one. A `test/` of classes beside a `val/` of factories is still the central test set; a test folder of a factory that has
     no training folder is refused by name rather than dropped. In the usual layout, a training folder without a test folder
-    beside it is split the same way."""
+    beside it is split the same way, and a ROOT that holds one folder is read inside it."""
     from common.data.layout import FolderFederation
 
     for factory in ("plant-a", "plant-b", "plant-c"):
@@ -333,6 +333,11 @@ def test_a_root_split_first_holds_the_factories_inside_its_train_and_test_folder
     one = FolderFederation.at(usual, split_dir=tmp_path.parent / "split-usual")
     assert one.split == ("plant-a",) and one.tests[1] == usual / "plant-b" / "test"
     assert len(list(one.trains[0].glob("bolt/*"))) == 3 and len(list(one.tests[0].glob("bolt/*"))) == 1
+    _write(usual / "holdout" / "nut" / "0.png")  # all of it inside one folder of ROOT (an unpacked archive): found there
+    (tmp_path.parent / "archive").mkdir()
+    usual.rename(tmp_path.parent / "archive" / "usual")
+    wrapped = FolderFederation.at(tmp_path.parent / "archive", split_dir=tmp_path.parent / "split-archive")
+    assert [d.name for d in wrapped.factories] == ["plant-a", "plant-b"] and wrapped.central_test == tmp_path.parent / "archive" / "usual" / "holdout"
 
 
 def test_the_quality_bench_reads_val_folders_and_splits_a_factory_without_any(monkeypatch, tmp_path):

@@ -18,7 +18,8 @@ or split first, the factories inside the splits (a factory without a test folder
     ROOT/test/<factory>/<class>/*.png    its own test images (or val/, ..., as above); beside them the central test set and
                                          the proxy set as above (then under another name than the factories' test folder's)
 
-Folders starting with ``.`` are never read. ROOT's folder names are compared ignoring case, ``-``, ``_`` and spaces
+ROOT may also hold one folder that holds all of this (an archive unpacked into ROOT). Folders starting with ``.`` are never
+read. ROOT's folder names are compared ignoring case, ``-``, ``_`` and spaces
 (``Central-Test`` is ``central_test``), so a folder other data sets write for the central test set or the proxy set is
 never taken for a factory and trained on. The class list is every class folder's name (NFC; through the aliases, as
 ``--class-alias OK-parts=good`` maps a factory's folder), sorted, unless given.
@@ -75,6 +76,8 @@ class FolderFederation:
             raise DatasetError(f"{root} does not exist or is not a directory")
         work = Path(split_dir).resolve() if split_dir else None  # a work directory inside ROOT (the demo's) is no factory
         splits = _split_first(root)  # ROOT/train/<factory>/..., ROOT/test/<factory>/...: neither is the central test set
+        if not splits and (inner := _wrapper(root, work)):  # ROOT/<one folder>/...: an archive unpacked into ROOT, say
+            return cls.at(inner, classes, split_dir, aliases)
         central = _reserved(root, "central test set", CENTRAL_TEST_NAMES, skip=splits)
         proxy = _reserved(root, "proxy set", PROXY_NAMES, skip=splits)
         if splits:
@@ -198,6 +201,16 @@ def _is_container(folder: Path) -> bool:
     """Whether ``folder`` holds the factories rather than being one (ROOT/sites/<factory>/train/...): two or more of its
     folders have a training folder of their own. A factory's class folders never do."""
     return sum(_first_dir(d, TRAIN_NAMES) is not None for d in _folders(folder)) >= 2
+
+
+def _wrapper(root: Path, work: Path | None) -> Path | None:
+    """ROOT's only folder when the federation is inside it (ROOT/<one folder>/<factories, test, proxy>): two or more of its
+    folders have folders of their own. A federation needs two factories, so one folder is never all of it; and its factories,
+    central test set and proxy set are found there as in ROOT, none taken for a factory."""
+    inside = [d for d in _folders(root) if not (work and work.is_relative_to(d.resolve()))]
+    if len(inside) != 1:
+        return None
+    return inside[0] if sum(bool(_folders(d)) for d in _folders(inside[0])) >= 2 else None
 
 
 def _split_first(root: Path) -> tuple[Path, Path | None] | None:
