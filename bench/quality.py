@@ -146,10 +146,10 @@ class Recipe:
 
 
 RECIPES = {
-    # the defaults ([tool.flwr.app.config]): frozen backbone + federated head, FedAvgM 0.7, cosine local lr over 10 x 2
-    "default": Recipe("effnet-lite0 head, FedAvgM 0.7, 10x2, cosine lr", "effnet-lite0", rounds=10, local_epochs=2, server_optimizer="fedavgm",
+    # the defaults ([tool.flwr.app.config]): frozen backbone + federated head, FedAvgM 0.7, cosine local lr over 20 x 2
+    "default": Recipe("effnet-lite0 head, FedAvgM 0.7, 20x2, cosine lr", "effnet-lite0", rounds=20, local_epochs=2, server_optimizer="fedavgm",
                       server_momentum=0.7, lr_schedule="cosine"),
-    "head-fedavg": Recipe("effnet-lite0 head, FedAvg 10x2", "effnet-lite0", rounds=10, local_epochs=2),
+    "head-fedavg": Recipe("effnet-lite0 head, FedAvg 20x2", "effnet-lite0", rounds=20, local_epochs=2),
     # the from-scratch family, with the recipe it had before (FedAvg 5 x 2) and with server momentum over more, shorter rounds
     "cnn": Recipe("cnn-small, FedAvg 5x2", "cnn-small", rounds=5, local_epochs=2),
     "cnn-m": Recipe("cnn-small, FedAvgM 0.7 24x1", "cnn-small", rounds=24, local_epochs=1, server_optimizer="fedavgm", server_momentum=0.7),

@@ -41,7 +41,7 @@ SECURE_SUM_DP_ROUNDS = 30
 class FederationConfig:
     """Server-side run configuration; keys match ``[tool.flwr.app.config]`` with '-' for '_'."""
 
-    num_server_rounds: int = 10
+    num_server_rounds: int = 20
     min_factories: int = 2
     expected_factories: int = 0  # wait for this many factories before round 1 (0: min_factories)
     wait_for_factories: float = 120.0
