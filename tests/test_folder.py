@@ -338,6 +338,10 @@ def test_a_root_split_first_holds_the_factories_inside_its_train_and_test_folder
     usual.rename(tmp_path.parent / "archive" / "usual")
     wrapped = FolderFederation.at(tmp_path.parent / "archive", split_dir=tmp_path.parent / "split-archive")
     assert [d.name for d in wrapped.factories] == ["plant-a", "plant-b"] and wrapped.central_test == tmp_path.parent / "archive" / "usual" / "holdout"
+    for name in ("bolt", "nut"):  # but one factory whose class folders hold dated folders is one factory, not a federation of classes
+        _write(tmp_path.parent / "one" / "plant-a" / name / "2024-05" / "0.png")
+    with pytest.raises(DatasetError, match=r"expected two or more factory folders.*found \['plant-a'\]"):
+        FolderFederation.at(tmp_path.parent / "one")
 
 
 def test_the_quality_bench_reads_val_folders_and_splits_a_factory_without_any(monkeypatch, tmp_path):

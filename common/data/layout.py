@@ -204,13 +204,18 @@ def _is_container(folder: Path) -> bool:
 
 
 def _wrapper(root: Path, work: Path | None) -> Path | None:
-    """ROOT's only folder when the federation is inside it (ROOT/<one folder>/<factories, test, proxy>): two or more of its
-    folders have folders of their own. A federation needs two factories, so one folder is never all of it; and its factories,
-    central test set and proxy set are found there as in ROOT, none taken for a factory."""
+    """ROOT's only folder when the federation is plainly inside it (ROOT/<one folder>/<factories, test, proxy>): it is split
+    first, holds a central test or proxy folder, or two or more factories with training folders. A federation needs two
+    factories, so one folder is never all of it; its factories, central test set and proxy set are found there as in ROOT,
+    none taken for a factory. A single factory of class folders (with dated sub-folders, say) is not read as a federation
+    of its classes: it is refused as one factory."""
     inside = [d for d in _folders(root) if not (work and work.is_relative_to(d.resolve()))]
     if len(inside) != 1:
         return None
-    return inside[0] if sum(bool(_folders(d)) for d in _folders(inside[0])) >= 2 else None
+    reserved = {_folder_key(n) for n in (*CENTRAL_TEST_NAMES, *PROXY_NAMES)}
+    inner = inside[0]
+    marked = _split_first(inner) or any(_folder_key(d.name) in reserved for d in _folders(inner)) or _is_container(inner)
+    return inner if marked else None
 
 
 def _split_first(root: Path) -> tuple[Path, Path | None] | None:
