@@ -57,8 +57,7 @@ order, not the data):
 
 (`common.data.layout`, which also takes the factories in one folder, ROOT/sites/<factory>/..., or split first,
 ROOT/train/<factory>/<class> beside ROOT/test/<factory>/<class>, or all of it inside ROOT's only folder, and other
-names for the two optional folders;
-`fedforge demo --folders ROOT` runs the same federation over real processes.)
+names for the two optional folders; `fedforge demo --folders ROOT` runs the same federation over real processes.)
 Class names are the folders' (any factory may lack any class); `--classes a,b,c` fixes their order, and
 `--class-alias OK-parts=good` maps a folder named otherwise (repeatable).
 """
