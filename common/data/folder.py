@@ -64,7 +64,17 @@ class FolderIndex:
 
 def image_files(folder: Path) -> list[Path]:
     """The image files under ``folder`` at any depth, sorted; files starting with ``.`` are never read."""
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES and not p.name.startswith("."))
+    return sorted(p for p in folder.rglob("*") if _is_image_file(p))
+
+
+def has_image_files(folder: Path) -> bool:
+    """Whether ``folder`` holds an image file at any depth (`image_files`' test), stopping at the first: a layout check
+    need not list and sort a whole data set."""
+    return any(_is_image_file(p) for p in folder.rglob("*"))
+
+
+def _is_image_file(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() in SUFFIXES and not path.name.startswith(".")
 
 
 def index_image_folder(root: str | Path, classes: Sequence[str] = DEFAULT_CLASSES, aliases: Mapping[str, str] | None = None) -> FolderIndex:

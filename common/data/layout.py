@@ -38,7 +38,7 @@ import numpy as np
 
 from common.data.classes import normalise_name, parse_aliases, parse_classes
 from common.data.datasets import ImageDataset
-from common.data.folder import IMAGE_SUFFIXES, DatasetError, image_files, load_image_folder
+from common.data.folder import IMAGE_SUFFIXES, DatasetError, has_image_files, image_files, load_image_folder
 from common.data.images import COLOUR_CHROMA, median_chroma
 
 __all__ = ["CENTRAL_TEST_NAMES", "PROXY_NAMES", "TEST_NAMES", "TRAIN_NAMES", "UNSPLIT_TEST_SHARE", "FolderFederation", "split_unsplit"]
@@ -95,13 +95,13 @@ class FolderFederation:
         missing = [f"{d}/{'|'.join(names)}" for d, pair in zip(factories, pairs) for names, part in zip((TRAIN_NAMES, TEST_NAMES), pair)
                    if part is None]
         if len(factories) < 2 or missing:
-            flat = [d.name for d, pair in zip(factories, pairs) if pair == (None, None) and image_files(d)]
+            flat = [d.name for d, pair in zip(factories, pairs) if pair == (None, None) and has_image_files(d)]
             raise DatasetError(f"{root}: expected two or more factory folders, each with train/ and test/ folders or only class folders"
                                + (f"; missing {missing}" if missing else f", found {[d.name for d in factories]}")
                                + (f"; {flat} hold images but no class folders: if they are unlabelled public images of the domain, "
                                   f"name the folder proxy/" if flat else ""))
         trains, tests = (tuple(p for p in part if p is not None) for part in zip(*pairs))
-        if empty := [str(folder) for folder in (*trains, *tests) if not image_files(folder)]:
+        if empty := [str(folder) for folder in (*trains, *tests) if not has_image_files(folder)]:
             raise DatasetError(f"{empty} hold no image files (expected <class>/<image>, formats {sorted(IMAGE_SUFFIXES)})")
         # every class folder of the factories and of the central test set: a class no factory holds is still a class the
         # global model is tested on (and gets wrong), not a reason to refuse the run
@@ -245,7 +245,7 @@ def _factories_in_splits(train: Path, test: Path | None) -> tuple[tuple[Path, ..
 
 def _holds_class_folders(folder: Path) -> bool:
     """Whether ``folder`` is a factory's set of class folders: folders of its own, one of them holding images."""
-    return any(image_files(d) for d in _folders(folder))
+    return any(has_image_files(d) for d in _folders(folder))
 
 
 def _first_dir(parent: Path, names: tuple[str, ...]) -> Path | None:
