@@ -44,7 +44,8 @@ order, not the data):
 
 `--channels auto` (the default) reads the images as RGB when any factory's are in colour, else as grey.
 
-    ROOT/<factory>/train/<class>/*.png   one directory per factory (any name; sorted), its training images (or training/)
+    ROOT/<factory>/train/<class>/*.png   one directory per factory (any name; sorted), its training images (or training/;
+                                         any case: Training/, Validation/)
     ROOT/<factory>/test/<class>/*.png    images of that factory's own distribution, never trained on (or val/, valid/,
                                          validation/, holdout/)
     ROOT/<factory>/<class>/*.png         instead of the two: every 4th image of each class, in a fixed order (the hash of

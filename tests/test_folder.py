@@ -297,6 +297,33 @@ def test_other_names_for_the_central_test_and_proxy_folders_are_never_taken_for_
     assert "no proxy folder" in FolderFederation.at(tmp_path).no_public_images()  # under DP: the whole head, and the user is told
 
 
+def test_a_factorys_training_and_test_folders_are_found_whatever_their_case(tmp_path, caplog):
+    """`Training/` and `Validation/` (as a Windows export writes them) are a factory's training and test folders, not two
+    classes of images. Two folders that name the same one (`train/` and `Train/`) are refused by name. Files and folders
+    starting with `.` (macOS resource forks `._x.jpg`, `.thumbnails/`) are never read, nor warned about as loose images."""
+    from common.data.folder import load_unlabelled_folder
+    from common.data.layout import FolderFederation
+
+    for factory in ("Werk A", "Werk B"):
+        _write(tmp_path / factory / "Training" / "Kratzer" / "0.png")
+        _write(tmp_path / factory / "Hold-Out" / "OK" / "0.png")
+        (tmp_path / factory / "Training" / "._0.png").write_bytes(b"\x00\x05\x16\x07 resource fork")
+        (tmp_path / factory / "Training" / "Kratzer" / "._0.png").write_bytes(b"\x00\x05\x16\x07 resource fork")
+        _write(tmp_path / factory / "Training" / "Kratzer" / ".thumbnails" / "0.png")
+    _write(tmp_path / "Public" / "0.png")
+    (tmp_path / "Public" / "._0.png").write_bytes(b"\x00\x05\x16\x07 resource fork")
+    folders = FolderFederation.at(tmp_path, split_dir=tmp_path.parent / "split")
+    assert folders.trains == (tmp_path / "Werk A" / "Training", tmp_path / "Werk B" / "Training") and folders.split == ()
+    assert folders.tests[1] == tmp_path / "Werk B" / "Hold-Out" and folders.classes == ("Kratzer", "OK")
+    data, report = load_image_folder(folders.trains[0], 16, folders.classes)
+    assert len(data) == 1 and report.skipped == [] and "outside any class folder" not in caplog.text
+    images, report = load_unlabelled_folder(folders.proxy, 16)
+    assert len(images) == 1 and report.skipped == []
+    _write(tmp_path / "Werk B" / "training" / "OK" / "0.png")
+    with pytest.raises(DatasetError, match=r"Werk B: \['Training', 'training'\] could each be its train folder"):
+        FolderFederation.at(tmp_path, split_dir=tmp_path.parent / "split")
+
+
 def test_a_root_split_first_holds_the_factories_inside_its_train_and_test_folders(tmp_path):
     """Data sets are as often written split first (`train/<factory>/<class>`, `test/<factory>/<class>`): there `test/` holds
     the factories' own test images, not the central test set, and a factory without a test folder is split as an unsplit

@@ -63,18 +63,20 @@ class FolderIndex:
 
 
 def image_files(folder: Path) -> list[Path]:
-    """The image files under ``folder`` at any depth, sorted; files starting with ``.`` are never read."""
-    return sorted(p for p in folder.rglob("*") if _is_image_file(p))
+    """The image files under ``folder`` at any depth, sorted. Files and folders starting with ``.`` are never read: macOS
+    writes ``._name.jpg`` resource forks beside copied images, and tools keep ``.thumbnails/`` or ``.cache/`` inside."""
+    return sorted(p for p in folder.rglob("*") if _is_image_file(p, folder))
 
 
 def has_image_files(folder: Path) -> bool:
     """Whether ``folder`` holds an image file at any depth (`image_files`' test), stopping at the first: a layout check
     need not list and sort a whole data set."""
-    return any(_is_image_file(p) for p in folder.rglob("*"))
+    return any(_is_image_file(p, folder) for p in folder.rglob("*"))
 
 
-def _is_image_file(path: Path) -> bool:
-    return path.is_file() and path.suffix.lower() in SUFFIXES and not path.name.startswith(".")
+def _is_image_file(path: Path, folder: Path) -> bool:
+    return (path.suffix.lower() in SUFFIXES and not any(part.startswith(".") for part in path.relative_to(folder).parts)
+            and path.is_file())
 
 
 def index_image_folder(root: str | Path, classes: Sequence[str] = DEFAULT_CLASSES, aliases: Mapping[str, str] | None = None) -> FolderIndex:
@@ -91,7 +93,7 @@ def index_image_folder(root: str | Path, classes: Sequence[str] = DEFAULT_CLASSE
         mapping = assign_folders(folders, classes, aliases or {}, where=f"data folder {root}")
     except ClassListError as exc:
         raise DatasetError(str(exc)) from None
-    loose = [p.name for p in root.iterdir() if p.is_file() and p.suffix.lower() in SUFFIXES]
+    loose = [p.name for p in root.iterdir() if _is_image_file(p, root)]
     if loose:
         log.warning("data folder %s: %d images outside any class folder are ignored (e.g. %s)", root, len(loose), loose[0])
     paths, names = [], []
@@ -150,7 +152,7 @@ def load_image_folder(root: str | Path, size: int = DEFAULT_SIZE, classes: Seque
 
 
 def load_unlabelled_folder(root: str | Path, size: int = DEFAULT_SIZE, channels: int = 1) -> tuple[np.ndarray, FolderReport]:
-    """Every readable image under ``root`` (any depth), as (N, channels, size, size) float32; labels are ignored.
+    """Every readable image under ``root`` (any depth, `image_files`), as (N, channels, size, size) float32; labels are ignored.
 
     For the server's distillation proxy set. Unreadable files are logged by name and skipped.
     """
@@ -158,7 +160,7 @@ def load_unlabelled_folder(root: str | Path, size: int = DEFAULT_SIZE, channels:
     if not root.is_dir():
         raise DatasetError(f"proxy folder {root} does not exist or is not a directory")
     report, images = FolderReport(), []
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES):
+    for path in image_files(root):
         try:
             images.append(read_image(path, size, channels))
         except ImageError as exc:

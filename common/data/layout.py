@@ -1,7 +1,8 @@
 """A whole federation's image folders on one disk: how ``fedforge demo --folders`` and ``bench/quality.py --folders``
 read ROOT, so that trying FedForge on your own images and measuring it on them see the same federation.
 
-    ROOT/<factory>/train/<class>/*.png   one directory per factory (any name; sorted), its training images (or training/);
+    ROOT/<factory>/train/<class>/*.png   one directory per factory (any name; sorted), its training images (or training/;
+                                         these names, too, ignore case, ``-``, ``_`` and spaces: ``Training/``, ``Hold-Out/``);
                                          the factories may also sit in one folder of ROOT's (ROOT/sites/<factory>/train/...)
     ROOT/<factory>/test/<class>/*.png    images of that factory's own distribution, never trained on (or val/, valid/,
                                          validation/, holdout/)
@@ -249,7 +250,18 @@ def _holds_class_folders(folder: Path) -> bool:
 
 
 def _first_dir(parent: Path, names: tuple[str, ...]) -> Path | None:
-    return next((parent / n for n in names if (parent / n).is_dir()), None)
+    """``parent``'s folder named as the first of ``names`` it holds, compared as ROOT's names are (`_folder_key`: ``Train``
+    and ``Hold-Out`` are ``train`` and ``holdout``), None without one. Two that compare equal (``train`` and ``Train``) are
+    refused, naming them: taking either would drop the other's images without a word."""
+    by_key: dict[str, list[Path]] = {}
+    for d in _folders(parent):
+        by_key.setdefault(_folder_key(d.name), []).append(d)
+    for key in (_folder_key(n) for n in names):
+        if len(found := by_key.get(key, [])) > 1:
+            raise DatasetError(f"{parent}: {[d.name for d in found]} could each be its {names[0]} folder; keep one of them")
+        if found:
+            return found[0]
+    return None
 
 
 def split_unsplit(factory: Path, out: Path) -> tuple[Path, Path]:
