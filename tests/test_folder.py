@@ -300,7 +300,8 @@ def test_other_names_for_the_central_test_and_proxy_folders_are_never_taken_for_
 def test_a_factorys_training_and_test_folders_are_found_whatever_their_case(tmp_path, caplog):
     """`Training/` and `Validation/` (as a Windows export writes them) are a factory's training and test folders, not two
     classes of images. Two folders that name the same one (`train/` and `Train/`) are refused by name. Files and folders
-    starting with `.` (macOS resource forks `._x.jpg`, `.thumbnails/`) are never read, nor warned about as loose images."""
+    starting with `.` (macOS resource forks `._x.jpg`, `.thumbnails/`) are never read, nor warned about as loose images;
+    linked folders are."""
     from common.data.folder import load_unlabelled_folder
     from common.data.layout import FolderFederation
 
@@ -319,6 +320,11 @@ def test_a_factorys_training_and_test_folders_are_found_whatever_their_case(tmp_
     assert len(data) == 1 and report.skipped == [] and "outside any class folder" not in caplog.text
     images, report = load_unlabelled_folder(folders.proxy, 16)
     assert len(images) == 1 and report.skipped == []
+    _write(tmp_path.parent / "nas" / "line-2" / "0.png")  # a linked folder is read (each real folder once: no loop)
+    (tmp_path / "Werk A" / "Training" / "Kratzer" / "line-2").symlink_to(tmp_path.parent / "nas" / "line-2")
+    (tmp_path.parent / "nas" / "line-2" / "loop").symlink_to(tmp_path.parent / "nas")
+    data, report = load_image_folder(folders.trains[0], 16, folders.classes)
+    assert len(data) == 2 and report.skipped == []
     _write(tmp_path / "Werk B" / "training" / "OK" / "0.png")
     with pytest.raises(DatasetError, match=r"Werk B: \['Training', 'training'\] could each be its train folder"):
         FolderFederation.at(tmp_path, split_dir=tmp_path.parent / "split")

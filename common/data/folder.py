@@ -11,7 +11,8 @@ batches from disk as training asks for them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,20 +64,36 @@ class FolderIndex:
 
 
 def image_files(folder: Path) -> list[Path]:
-    """The image files under ``folder`` at any depth, sorted. Files and folders starting with ``.`` are never read: macOS
-    writes ``._name.jpg`` resource forks beside copied images, and tools keep ``.thumbnails/`` or ``.cache/`` inside."""
-    return sorted(p for p in folder.rglob("*") if _is_image_file(p, folder))
+    """The image files under ``folder`` at any depth, sorted (`_walk_images`)."""
+    return sorted(_walk_images(folder))
 
 
 def has_image_files(folder: Path) -> bool:
     """Whether ``folder`` holds an image file at any depth (`image_files`' test), stopping at the first: a layout check
     need not list and sort a whole data set."""
-    return any(_is_image_file(p, folder) for p in folder.rglob("*"))
+    return next(_walk_images(folder), None) is not None
 
 
-def _is_image_file(path: Path, folder: Path) -> bool:
-    return (path.suffix.lower() in SUFFIXES and not any(part.startswith(".") for part in path.relative_to(folder).parts)
-            and path.is_file())
+def _walk_images(folder: Path) -> Iterator[Path]:
+    """The image files under ``folder``, in no set order.
+
+    - Files and folders starting with ``.`` are never read: macOS writes ``._name.jpg`` resource forks beside copied
+      images, and tools keep ``.thumbnails/`` or ``.cache/`` inside.
+    - Linked folders are followed (``good/line-2 -> /mnt/nas/line-2``, as data sets curated by links are), each real
+      folder once, so a link to a folder above cannot loop; ``Path.rglob`` of Python 3.11 skips them, and their images
+      were silently left out."""
+    seen: set[str] = set()
+    for top, folders, files in os.walk(folder, followlinks=True):
+        real = os.path.realpath(top)
+        if real in seen:
+            folders[:] = []
+            continue
+        seen.add(real)
+        folders[:] = sorted(d for d in folders if not d.startswith("."))
+        for name in files:
+            path = Path(top) / name
+            if not name.startswith(".") and path.suffix.lower() in SUFFIXES and path.is_file():
+                yield path
 
 
 def index_image_folder(root: str | Path, classes: Sequence[str] = DEFAULT_CLASSES, aliases: Mapping[str, str] | None = None) -> FolderIndex:
@@ -93,7 +110,7 @@ def index_image_folder(root: str | Path, classes: Sequence[str] = DEFAULT_CLASSE
         mapping = assign_folders(folders, classes, aliases or {}, where=f"data folder {root}")
     except ClassListError as exc:
         raise DatasetError(str(exc)) from None
-    loose = [p.name for p in root.iterdir() if _is_image_file(p, root)]
+    loose = [p.name for p in root.iterdir() if p.suffix.lower() in SUFFIXES and not p.name.startswith(".") and p.is_file()]
     if loose:
         log.warning("data folder %s: %d images outside any class folder are ignored (e.g. %s)", root, len(loose), loose[0])
     paths, names = [], []
