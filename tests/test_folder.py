@@ -91,6 +91,31 @@ def test_rgb_and_odd_sizes_are_letterboxed_not_cropped(tmp_path):
     assert read_image(tmp_path / "tiny.bmp", 64).shape == (1, 64, 64)
 
 
+def test_a_large_jpeg_decodes_at_a_reduced_scale_to_what_the_full_image_gives(tmp_path, monkeypatch):
+    """A photograph many times the input size is decoded in the JPEG's DCT domain at a reduced scale (never below twice the
+    input size), then letterboxed: within 3/255 of decoding every pixel. A cache keyed by file bytes names the decoding."""
+    from common.data import images
+    from common.data.datasets import StreamedImages
+    from common.features import content_keys
+
+    rng = np.random.default_rng(0)
+    photo = Image.fromarray((rng.random((40, 60, 3)) * 255).astype(np.uint8)).resize((1500, 1000), Image.BICUBIC)
+    photo.save(tmp_path / "photo.jpg", quality=92)
+    with Image.open(tmp_path / "photo.jpg") as img:  # what the decoder is asked for: 1/4 of each side (375 x 250 >= 2 x 64)
+        img.draft(img.mode, (images.JPEG_DRAFT * 64, images.JPEG_DRAFT * 64))
+        assert img.size == (375, 250)
+    for channels in (1, 3):
+        reduced = read_image(tmp_path / "photo.jpg", 64, channels)
+        with monkeypatch.context() as m:
+            m.setattr(images, "JPEG_DRAFT", 10**6)  # no reduction: every pixel decoded
+            full = read_image(tmp_path / "photo.jpg", 64, channels)
+        assert reduced.shape == full.shape == (channels, 64, 64) and np.abs(reduced - full).max() <= 3 / 255
+    streamed = StreamedImages((tmp_path / "photo.jpg",), np.zeros(1, np.int64), ("a",), 64, 3)
+    before = content_keys(streamed)
+    monkeypatch.setattr(images, "DECODE_VERSION", images.DECODE_VERSION + 1)
+    assert content_keys(streamed) != before
+
+
 def test_sixteen_bit_and_float_camera_images_keep_their_range(tmp_path):
     """A 16-bit grey PNG or TIFF (an industrial camera's) reads as its 8-bit copy does, not clipped white as Pillow's
     convert("L") would make it; a float TIFF in [0, 1] too; pixel values beyond the container's range are refused by name."""
