@@ -26,6 +26,16 @@ from common.data.synth import DEFAULT_SIZE
 log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = SUFFIXES
+TRAIN_NAMES = ("train", "training")  # a factory's training folder, by the names data sets commonly give it
+TEST_NAMES = ("test", "val", "valid", "validation", "holdout")  # and its own held-out folder
+
+
+def folder_key(name: str) -> str:
+    """A folder's name as split and reserved names are compared: ``Central-Test``, ``central_test`` and ``central test``
+    are one, and so are ``Training`` and ``training``."""
+    return "".join(c for c in name.casefold() if c not in "-_ ")
+
+
 DEFAULT_MEMORY_LIMIT = 2 << 30  # bytes of decoded images kept in memory before a factory streams from disk
 
 
@@ -109,6 +119,10 @@ def index_image_folder(root: str | Path, classes: Sequence[str] = DEFAULT_CLASSE
     try:
         mapping = assign_folders(folders, classes, aliases or {}, where=f"data folder {root}")
     except ClassListError as exc:
+        if splits := [f for f in folders if folder_key(f) in {folder_key(n) for n in (*TRAIN_NAMES, *TEST_NAMES)}]:
+            train = next((f for f in splits if folder_key(f) in {folder_key(n) for n in TRAIN_NAMES}), splits[0])
+            raise DatasetError(f"data folder {root} holds {splits}, which look like a data set's splits, not classes: point it at "
+                               f"{root / train} (a factory holds out its own share of its images for evaluation)") from None
         raise DatasetError(str(exc)) from None
     loose = [p.name for p in root.iterdir() if p.suffix.lower() in SUFFIXES and not p.name.startswith(".") and p.is_file()]
     if loose:

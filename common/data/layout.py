@@ -39,15 +39,22 @@ import numpy as np
 
 from common.data.classes import normalise_name, parse_aliases, parse_classes
 from common.data.datasets import ImageDataset
-from common.data.folder import IMAGE_SUFFIXES, DatasetError, has_image_files, image_files, load_image_folder
+from common.data.folder import (
+    IMAGE_SUFFIXES,
+    TEST_NAMES,
+    TRAIN_NAMES,
+    DatasetError,
+    folder_key,
+    has_image_files,
+    image_files,
+    load_image_folder,
+)
 from common.data.images import COLOUR_CHROMA, median_chroma
 
 __all__ = ["CENTRAL_TEST_NAMES", "PROXY_NAMES", "TEST_NAMES", "TRAIN_NAMES", "UNSPLIT_TEST_SHARE", "FolderFederation", "split_unsplit"]
 
-TRAIN_NAMES = ("train", "training")  # a factory's training folder, by the names data sets commonly give it
-TEST_NAMES = ("test", "val", "valid", "validation", "holdout")  # and its own held-out folder
 UNSPLIT_TEST_SHARE = 4  # a factory without the two folders: every 4th image of each class (in a fixed hash order) is its test set
-# ROOT's folders that are not factories, by the names data sets commonly give them (compared by `_folder_key`)
+# ROOT's folders that are not factories, by the names data sets commonly give them (compared by `folder_key`)
 CENTRAL_TEST_NAMES = ("test", "tests", "test_set", "central_test", "global_test", "server_test", "holdout", "held_out", "eval",
                       "evaluation")
 PROXY_NAMES = ("proxy", "proxy_set", "public", "public_set", "unlabeled", "unlabelled")
@@ -183,16 +190,11 @@ def _folders(parent: Path) -> list[Path]:
     return [c for c in sorted(parent.iterdir()) if c.is_dir() and not c.name.startswith(".")]
 
 
-def _folder_key(name: str) -> str:
-    """A folder's name as ROOT's reserved names are compared: ``Central-Test``, ``central_test`` and ``central test`` are one."""
-    return "".join(c for c in name.casefold() if c not in "-_ ")
-
-
 def _reserved(root: Path, what: str, names: tuple[str, ...], skip: tuple[Path | None, ...] | None = None) -> Path | None:
     """ROOT's one folder named as one of ``names`` (None without one), other than ``skip`` (the splits that hold the
     factories); two are refused, naming them, rather than one of them being taken for a factory."""
-    keys = {_folder_key(n) for n in names}
-    found = [d for d in _folders(root) if _folder_key(d.name) in keys and d not in (skip or ())]
+    keys = {folder_key(n) for n in names}
+    found = [d for d in _folders(root) if folder_key(d.name) in keys and d not in (skip or ())]
     if len(found) > 1:
         raise DatasetError(f"{root}: {[d.name for d in found]} could each be the {what}; keep one of them (or rename the others)")
     return found[0] if found else None
@@ -213,9 +215,9 @@ def _wrapper(root: Path, work: Path | None) -> Path | None:
     inside = [d for d in _folders(root) if not (work and work.is_relative_to(d.resolve()))]
     if len(inside) != 1:
         return None
-    reserved = {_folder_key(n) for n in (*CENTRAL_TEST_NAMES, *PROXY_NAMES)}
+    reserved = {folder_key(n) for n in (*CENTRAL_TEST_NAMES, *PROXY_NAMES)}
     inner = inside[0]
-    marked = _split_first(inner) or any(_folder_key(d.name) in reserved for d in _folders(inner)) or _is_container(inner)
+    marked = _split_first(inner) or any(folder_key(d.name) in reserved for d in _folders(inner)) or _is_container(inner)
     return inner if marked else None
 
 
@@ -224,24 +226,24 @@ def _split_first(root: Path) -> tuple[Path, Path | None] | None:
     two or more of the training folder's folders hold class folders. In the usual layout ROOT has no training folder, and
     a training folder of one data set's classes holds images, not class folders. The test folder is the first of
     `TEST_NAMES` that holds a folder named as one of the factories (None: every factory is split, `split_unsplit`)."""
-    train_keys, test_keys = [_folder_key(n) for n in TRAIN_NAMES], [_folder_key(n) for n in TEST_NAMES]
-    train = next((d for d in _folders(root) if _folder_key(d.name) in train_keys), None)
+    train_keys, test_keys = [folder_key(n) for n in TRAIN_NAMES], [folder_key(n) for n in TEST_NAMES]
+    train = next((d for d in _folders(root) if folder_key(d.name) in train_keys), None)
     if train is None or sum(_holds_class_folders(d) for d in _folders(train)) < 2:
         return None
-    factories = {_folder_key(d.name) for d in _folders(train)}
-    tests = sorted((d for d in _folders(root) if _folder_key(d.name) in test_keys), key=lambda d: test_keys.index(_folder_key(d.name)))
-    return train, next((d for d in tests if factories & {_folder_key(f.name) for f in _folders(d)}), None)
+    factories = {folder_key(d.name) for d in _folders(train)}
+    tests = sorted((d for d in _folders(root) if folder_key(d.name) in test_keys), key=lambda d: test_keys.index(folder_key(d.name)))
+    return train, next((d for d in tests if factories & {folder_key(f.name) for f in _folders(d)}), None)
 
 
 def _factories_in_splits(train: Path, test: Path | None) -> tuple[tuple[Path, ...], list[tuple[Path, Path | None]]]:
     """The factories of a split-first ROOT, each with its training folder and its test folder (None: split it here). A test
     folder of a factory that has no training folder is refused, naming it: its images would otherwise be silently dropped."""
     factories = tuple(_folders(train))
-    held_out = {_folder_key(d.name): d for d in _folders(test)} if test else {}
-    if orphans := sorted(set(held_out) - {_folder_key(d.name) for d in factories}):
+    held_out = {folder_key(d.name): d for d in _folders(test)} if test else {}
+    if orphans := sorted(set(held_out) - {folder_key(d.name) for d in factories}):
         raise DatasetError(f"{test}: {[held_out[k].name for k in orphans]} have no training folder in {train} (the factories are "
                            f"{[d.name for d in factories]})")
-    return factories, [(d, held_out.get(_folder_key(d.name))) for d in factories]
+    return factories, [(d, held_out.get(folder_key(d.name))) for d in factories]
 
 
 def _holds_class_folders(folder: Path) -> bool:
@@ -250,13 +252,13 @@ def _holds_class_folders(folder: Path) -> bool:
 
 
 def _first_dir(parent: Path, names: tuple[str, ...]) -> Path | None:
-    """``parent``'s folder named as the first of ``names`` it holds, compared as ROOT's names are (`_folder_key`: ``Train``
+    """``parent``'s folder named as the first of ``names`` it holds, compared as ROOT's names are (`folder_key`: ``Train``
     and ``Hold-Out`` are ``train`` and ``holdout``), None without one. Two that compare equal (``train`` and ``Train``) are
     refused, naming them: taking either would drop the other's images without a word."""
     by_key: dict[str, list[Path]] = {}
     for d in _folders(parent):
-        by_key.setdefault(_folder_key(d.name), []).append(d)
-    for key in (_folder_key(n) for n in names):
+        by_key.setdefault(folder_key(d.name), []).append(d)
+    for key in (folder_key(n) for n in names):
         if len(found := by_key.get(key, [])) > 1:
             raise DatasetError(f"{parent}: {[d.name for d in found]} could each be its {names[0]} folder; keep one of them")
         if found:
