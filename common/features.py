@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.data import images as decoding
 from common.data.datasets import ImageSet
 
 log = logging.getLogger(__name__)
@@ -78,11 +79,9 @@ class FeatureSet:
 def content_keys(data: ImageSet) -> list[str]:
     """One key per image of ``data``: its file's bytes (with the size it is read at and how files are decoded,
     `common.data.images.DECODE_VERSION`) when it has one, else its decoded pixels."""
-    from common.data.images import DECODE_VERSION
-
     paths = getattr(data, "paths", None)
     if paths is not None:
-        suffix = f"|{data.image_shape}|decode-{DECODE_VERSION}".encode()
+        suffix = f"|{data.image_shape}|decode-{decoding.DECODE_VERSION}".encode()
         return [hashlib.sha256(Path(p).read_bytes() + suffix).hexdigest() for p in paths]
     return [hashlib.sha256(np.ascontiguousarray(data.images_at(np.array([i]))).tobytes()).hexdigest() for i in range(len(data))]
 

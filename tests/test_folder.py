@@ -354,7 +354,7 @@ def test_a_factorys_training_and_test_folders_are_found_whatever_their_case(tmp_
     with pytest.raises(DatasetError, match=r"Werk B: \['Training', 'training'\] could each be its train folder"):
         FolderFederation.at(tmp_path, split_dir=tmp_path.parent / "split")
     # `fedforge client --data` pointed at the factory's folder rather than its training folder is told which to use
-    with pytest.raises(DatasetError, match=r"holds \['Hold-Out', 'Training'\], which look like a data set's splits.*point it at .*Werk A/Training"):
+    with pytest.raises(DatasetError, match=r"holds \['Hold-Out', 'Training'\], which look like a data set's splits.*e.g. .*Werk A/Training"):
         index_image_folder(tmp_path / "Werk A", folders.classes)
     assert len(index_image_folder(tmp_path / "Werk A", ("Hold-Out", "Training")).paths) == 3  # unless the classes are so named
 

@@ -119,10 +119,11 @@ def index_image_folder(root: str | Path, classes: Sequence[str] = DEFAULT_CLASSE
     try:
         mapping = assign_folders(folders, classes, aliases or {}, where=f"data folder {root}")
     except ClassListError as exc:
-        if splits := [f for f in folders if folder_key(f) in {folder_key(n) for n in (*TRAIN_NAMES, *TEST_NAMES)}]:
-            train = next((f for f in splits if folder_key(f) in {folder_key(n) for n in TRAIN_NAMES}), splits[0])
-            raise DatasetError(f"data folder {root} holds {splits}, which look like a data set's splits, not classes: point it at "
-                               f"{root / train} (a factory holds out its own share of its images for evaluation)") from None
+        train_keys, test_keys = {folder_key(n) for n in TRAIN_NAMES}, {folder_key(n) for n in TEST_NAMES}
+        if splits := [f for f in folders if folder_key(f) in train_keys | test_keys]:
+            train = next((f for f in splits if folder_key(f) in train_keys), splits[0])
+            raise DatasetError(f"data folder {root} holds {splits}, which look like a data set's splits, not classes: give the folder "
+                               f"of class folders, e.g. {root / train} (a factory holds out its own share of it for evaluation)") from None
         raise DatasetError(str(exc)) from None
     loose = [p.name for p in root.iterdir() if p.suffix.lower() in SUFFIXES and not p.name.startswith(".") and p.is_file()]
     if loose:

@@ -16,7 +16,8 @@ and an inspection station's request are resized the same way:
   refused naming the file, never guessed. A 12-bit camera that fills only part of a 16-bit container gives dark
   images: consistently so for training and inspection, but scale them at export for the pretrained backbone.
 - **Large JPEGs** are decoded at a reduced scale (`JPEG_DRAFT`, in the DCT domain: 1/2, 1/4 or 1/8), never below
-  twice ``size`` on either side, then resized as above: a 6-megapixel photograph decodes about 6x faster, and the
+  twice ``size`` on either side, then resized as above: a 6-megapixel photograph decodes about 5x faster
+  (`bench/data_loading.py --photos`), and the
   pixels ``size`` keeps are averaged from the same area of the photograph.
 - Values are float32 in [0, 1], shape (channels, size, size).
 """
