@@ -41,6 +41,7 @@ order, not the data):
 
     python bench/quality.py --folders ROOT --recipes default --dp
     python bench/quality.py --folders ROOT --recipes default --channels 1 --image-size 96   # as grey, at 96 px
+    python bench/quality.py --folders ROOT --recipes default --bit-depth 12   # a Mono12 camera's 16-bit files (0..4095)
 
 `--channels auto` (the default) reads the images as RGB when any factory's are in colour, else as grey.
 
@@ -171,7 +172,7 @@ def factory_test_set(spec: datasets.SyntheticSpec, index: int, size: int) -> Ima
 class Bench:
     def __init__(self, seed: int, factories: int, alpha: float, train_size: int, workdir: Path, tag: str, dp_epsilon: float = 0.0,
                  rounds: int = 1, folders: Folders | None = None, public: bool = True, secure_sum: bool = False, channels: int = 1,
-                 image_size: int = 0, max_grad_norm: float | str = DEFAULT_CLIP_NORM) -> None:
+                 image_size: int = 0, max_grad_norm: float | str = DEFAULT_CLIP_NORM, bit_depth: int = 16) -> None:
         spec = datasets.SyntheticSpec(seed=seed, num_factories=factories, alpha=alpha, train_size=train_size)
         self.spec = replace(spec, image_size=image_size) if image_size else spec
         self.seed, self.folders, self.channels = seed, folders, channels
@@ -184,15 +185,15 @@ class Bench:
             data=str(folders.trains[i]) if folders else "synthetic", classes=",".join(self.classes),
             class_alias=folders.alias_pairs() if folders else (),
             state_dir=str(state / f"f{i}"), dp=dp_epsilon > 0, dp_epsilon=dp_epsilon or 8.0, dp_planned_rounds=rounds, dp_secure_sum=secure_sum,
-            dp_max_grad_norm=max_grad_norm))
+            dp_max_grad_norm=max_grad_norm, bit_depth=bit_depth))
             for i in range(factories)]
         # the honest inputs of a secure round's sum over the complete graph, default threshold, no tolerated colluders
         self.noise_holders = default_threshold(factories) if secure_sum else 1
         for trainer in self.trainers:  # one feature cache for every run of the bench (features depend on the images only)
             trainer.features = FeatureCache(workdir / "bench-features.db")
         if folders:
-            self.factory_tests = [folders.test_set(d, self.spec.image_size, channels) for d in folders.tests]
-            self.test = (folders.test_set(folders.central_test, self.spec.image_size, channels) if folders.central_test else
+            self.factory_tests = [folders.test_set(d, self.spec.image_size, channels, bit_depth) for d in folders.tests]
+            self.test = (folders.test_set(folders.central_test, self.spec.image_size, channels, bit_depth) if folders.central_test else
                          ImageDataset(np.concatenate([t.images for t in self.factory_tests]), np.concatenate([t.labels for t in self.factory_tests]),
                                       self.classes))
         else:
@@ -201,7 +202,7 @@ class Bench:
         self.cache = FeatureCache(workdir / "bench-features.db")
         self.public = None  # the run's proxy set: public images the factories may learn their DP subspace from
         if public and folders and folders.proxy:
-            self.public = ProxySet(load_unlabelled_folder(folders.proxy, self.spec.image_size, channels)[0])
+            self.public = ProxySet(load_unlabelled_folder(folders.proxy, self.spec.image_size, channels, bit_depth)[0])
         elif public and not folders:
             self.public = ProxySet(datasets.proxy_images(self.spec, PROXY_SIZE))
 
@@ -341,6 +342,8 @@ def main() -> None:
     p.add_argument("--channels", default="auto", choices=("auto", "1", "3"), help="with --folders: 1 reads every image as grey, 3 as RGB (the run's "
                    "channels); auto (the default) 3 if any factory's training images are in colour (common.data.layout), else 1")
     p.add_argument("--image-size", type=int, default=0, help="with --folders: the run's image-size (default: the run config's)")
+    p.add_argument("--bit-depth", type=int, default=16, choices=range(8, 17), metavar="{8..16}",
+                   help="with --folders: significant bits of their 16-bit grey images (12: Mono12 written as 0..4095), at every site")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a factory training key of the run config for every recipe, e.g. --set personal-epochs=5 (repeatable)")
     a = p.parse_args()
@@ -353,8 +356,8 @@ def main() -> None:
         p.error(exc.format_message())
     except ValueError as exc:
         p.error(str(exc))
-    if (a.channels != "auto" or a.image_size or a.class_alias) and not a.folders:
-        p.error("--channels, --image-size and --class-alias apply to --folders (the built-in generator draws grey images of its own "
+    if (a.channels != "auto" or a.image_size or a.class_alias or a.bit_depth != 16) and not a.folders:
+        p.error("--channels, --image-size, --bit-depth and --class-alias apply to --folders (the built-in generator draws grey images of its own "
                 "classes at the run's default size)")
     set_torch_threads(a.threads)
     # a temporary working directory (its feature caches hold hundreds of MB) goes when the bench ends, however it ends
@@ -373,7 +376,8 @@ def main() -> None:
             central = f"{folders.central_test.name}/" if folders.central_test else "every factory's test images"
             proxy = f"{folders.proxy.name}/" if folders.proxy else "none"
             print(f"{len(folders.factories)} factories from {a.folders}, classes {list(folders.classes)}, read as "
-                  f"{'RGB' if a.channels == 3 else 'grey'} at {size} px; central test set {central}; proxy set {proxy}", flush=True)
+                  f"{'RGB' if a.channels == 3 else 'grey'} at {size} px{f', {a.bit_depth}-bit' if a.bit_depth != 16 else ''}; central test set {central}; "
+                  f"proxy set {proxy}", flush=True)
             if a.dp and not a.no_public and (line := folders.no_public_images()):
                 print(f"--folders {a.folders}: {line}", flush=True)
         rows = run_all(a, recipes, overrides, folders, Path(workdir))
@@ -389,14 +393,15 @@ def run_all(a: argparse.Namespace, recipes: dict[str, Recipe], overrides: dict[s
             recipe = recipes[key]
             for seed in map(int, a.seeds.split(",")):
                 t0 = time.perf_counter()
-                bench = Bench(seed, factories, alpha, a.train_size, workdir, key, folders=folders, channels=a.channels, image_size=a.image_size)
+                bench = Bench(seed, factories, alpha, a.train_size, workdir, key, folders=folders, channels=a.channels, image_size=a.image_size,
+                              bit_depth=a.bit_depth)
                 fed, base = bench.federate(recipe), bench.pooled_and_local(recipe)
                 row = {"setting": setting, "recipe": recipe.name, "seed": seed, **fed, **base, "seconds": time.perf_counter() - t0,
                        **({"set": overrides} if overrides else {})}
                 if a.dp and key == a.recipes.split(",")[0]:
                     dp_recipe = replace(recipe, name=recipe.name + " DP", rounds=a.dp_rounds or (SECURE_SUM_DP_ROUNDS if a.dp_secure_sum else recipe.rounds))
                     dp_bench = Bench(seed, factories, alpha, a.train_size, workdir, key, dp_epsilon=8.0, rounds=dp_recipe.rounds, folders=folders,
-                                     public=not a.no_public, secure_sum=a.dp_secure_sum, channels=a.channels, image_size=a.image_size,
+                                     public=not a.no_public, secure_sum=a.dp_secure_sum, channels=a.channels, image_size=a.image_size, bit_depth=a.bit_depth,
                                      max_grad_norm=a.dp_max_grad_norm)
                     row["dp_public_images"] = len(dp_bench.public) if dp_bench.public is not None else 0
                     row["dp_rounds"], row["dp_noise_holders"] = dp_recipe.rounds, dp_bench.noise_holders

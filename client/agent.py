@@ -358,7 +358,7 @@ def serve(cfg: AgentConfig) -> Agent:
         from common.signing import load_public
 
         serving = ServingModel()
-        inspection = inspection_server(cfg, InspectionServicer(serving))
+        inspection = inspection_server(cfg, InspectionServicer(serving, cfg.bit_depth))
         credentials = grpc.ssl_channel_credentials(Path(cfg.registry_ca).read_bytes()) if cfg.registry_ca else None
         client = ModelClient(cfg.registry, load_public(cfg.registry_public_key), Path(cfg.state_dir) / "models", credentials, cfg.registry_token)
         chooser = personal_chooser(trainer, servicer._lock, servicer.proxies) if cfg.personalize else None

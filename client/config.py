@@ -23,6 +23,7 @@ class AgentConfig:
     classes: str = DEFAULT_CLASSES  # the class names this factory's folders may have (comma-separated)
     class_alias: tuple[str, ...] = ()  # "FOLDER=CLASS" renames, e.g. "good=ok"
     memory_limit_mb: int = 2048  # decoded images kept in memory; above this the factory streams from disk
+    bit_depth: int = 16  # significant bits of the cameras' 16-bit grey images (12: Mono12 written as 0..4095); also for inspection
     factory_index: int = 0  # which synthetic partition this factory holds
     num_factories: int = 3
     data_seed: int = 0
@@ -103,6 +104,8 @@ class AgentConfig:
             raise ValueError(f"--local-world-size must be >= 1, got {self.local_world_size}")
         if self.memory_limit_mb < 0:
             raise ValueError(f"--memory-limit-mb must be >= 0, got {self.memory_limit_mb}")
+        if not isinstance(self.bit_depth, int) or not 8 <= self.bit_depth <= 16:
+            raise ValueError(f"--bit-depth must be an integer from 8 to 16, got {self.bit_depth!r}")
         if self.registry and not (self.registry_public_key and self.release_public_key and self.registry_token):
             raise ValueError("--registry needs --registry-public-key (signing.pub), --release-public-key (release.pub) and --registry-token: "
                              "models are only loaded after verification, and only served with a signed approval")

@@ -82,6 +82,7 @@ class SyntheticSource:
 class FolderSource:
     index: FolderIndex
     kind: str = "folder"
+    bit_depth: int = 16  # significant bits of its 16-bit grey images (`AgentConfig.bit_depth`)
 
     @property
     def description(self) -> str:
@@ -95,18 +96,20 @@ class FolderSource:
             log.warning("data folder %s holds colour images (median chroma %.2f) but the run reads them as grey (channels = 1); colour "
                         "added 3.8-4.7 points of global accuracy on two held-out colour data sets (docs/benchmarks.md): the central "
                         "site sets channels = 3 in the run config", self.index.root, chroma)
-        return load_labelled(self.index, request.classes, request.image_size, request.channels, memory_limit)
+        return load_labelled(self.index, request.classes, request.image_size, request.channels, memory_limit, self.bit_depth)
 
 
-def open_source(data: str, classes: str, aliases: tuple[str, ...] | list[str], spec: datasets.SyntheticSpec, factory_index: int) -> DataSource:
-    """``--data synthetic`` or an image folder, checked against the factory's own class list now."""
+def open_source(data: str, classes: str, aliases: tuple[str, ...] | list[str], spec: datasets.SyntheticSpec, factory_index: int,
+                bit_depth: int = 16) -> DataSource:
+    """``--data synthetic`` or an image folder (its 16-bit grey images of ``bit_depth`` bits), checked against the factory's own
+    class list now."""
     if data == "synthetic":
         return SyntheticSource(spec, factory_index)
     try:
         class_list, alias_map = parse_classes(classes), parse_aliases(aliases)
     except ClassListError as exc:
         raise DatasetError(str(exc)) from None
-    return FolderSource(index_image_folder(data, class_list, alias_map))
+    return FolderSource(index_image_folder(data, class_list, alias_map), bit_depth=bit_depth)
 
 
 def fit_reason(source: DataSource, classes: tuple[str, ...]) -> str:

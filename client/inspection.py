@@ -28,7 +28,7 @@ import torch
 
 from client.data import DataRequest
 from client.models import ModelClient
-from common.data.images import ImageError, decode_image_bytes
+from common.data.images import DEFAULT_BIT_DEPTH, ImageError, decode_image_bytes
 from common.data.synth import CLASSES, DEFAULT_SIZE
 from common.models import PRETRAINED_ARCHITECTURES, build_model, load_weights
 from common.release import Statement, verify_statement
@@ -41,9 +41,10 @@ MAX_IMAGE_BYTES = 8 << 20
 InvalidImage = ImageError
 
 
-def decode_image(data: bytes, size: int = DEFAULT_SIZE, channels: int = 1) -> np.ndarray:
-    """Encoded image bytes -> float32 (channels, size, size), resized as in training; raises `InvalidImage` with the reason."""
-    return decode_image_bytes(data, size, channels, MAX_IMAGE_BYTES)
+def decode_image(data: bytes, size: int = DEFAULT_SIZE, channels: int = 1, bit_depth: int = DEFAULT_BIT_DEPTH) -> np.ndarray:
+    """Encoded image bytes -> float32 (channels, size, size), resized (and 16-bit grey scaled by this factory's ``bit_depth``)
+    as in training; raises `InvalidImage` with the reason."""
+    return decode_image_bytes(data, size, channels, MAX_IMAGE_BYTES, bit_depth)
 
 
 def input_of(manifest: dict[str, Any]) -> DataRequest:
@@ -119,13 +120,14 @@ def load_verified(path: Any, manifest: dict[str, Any]) -> torch.nn.Module:
 
 
 class InspectionServicer(edge_pb2_grpc.InspectionServicer):
-    def __init__(self, serving: ServingModel) -> None:
+    def __init__(self, serving: ServingModel, bit_depth: int = DEFAULT_BIT_DEPTH) -> None:
         self.serving = serving
+        self.bit_depth = bit_depth  # the factory's cameras', as its training images are read (`AgentConfig.bit_depth`)
 
     def _one(self, request: Any, context: grpc.ServicerContext) -> edge_pb2.InspectReply:
         try:
             served = self.serving.current()  # one model for the whole request, even across a hot swap
-            image = decode_image(request.image, served.request.image_size, served.request.channels)
+            image = decode_image(request.image, served.request.image_size, served.request.channels, self.bit_depth)
             version, probs = self.serving.predict(image[None], served)
         except InvalidImage as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

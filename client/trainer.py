@@ -108,7 +108,7 @@ class FactoryTrainer:
         self.cfg = cfg
         self.started = time.time()
         spec = datasets.SyntheticSpec(seed=cfg.data_seed, num_factories=cfg.num_factories, alpha=cfg.alpha, train_size=cfg.train_size)
-        source = open_source(cfg.data, cfg.classes, cfg.class_alias, spec, cfg.factory_index)
+        source = open_source(cfg.data, cfg.classes, cfg.class_alias, spec, cfg.factory_index, cfg.bit_depth)
         self.data = FactoryData(source, cfg.val_fraction, cfg.data_seed, cfg.memory_limit)
         state = Path(cfg.state_dir)
         self.features = FeatureCache(cache_path(state / "features.db"))

@@ -77,11 +77,12 @@ class FeatureSet:
 
 
 def content_keys(data: ImageSet) -> list[str]:
-    """One key per image of ``data``: its file's bytes (with the size it is read at and how files are decoded,
-    `common.data.images.DECODE_VERSION`) when it has one, else its decoded pixels."""
+    """One key per image of ``data``: its file's bytes (with the size it is read at and how files are decoded:
+    `common.data.images.DECODE_VERSION`, the set's ``bit_depth``) when it has one, else its decoded pixels."""
     paths = getattr(data, "paths", None)
     if paths is not None:
-        suffix = f"|{data.image_shape}|decode-{decoding.DECODE_VERSION}".encode()
+        bits = getattr(data, "bit_depth", decoding.DEFAULT_BIT_DEPTH)
+        suffix = f"|{data.image_shape}|decode-{decoding.DECODE_VERSION}".encode() + (f"|bits-{bits}".encode() if bits != 16 else b"")
         return [hashlib.sha256(Path(p).read_bytes() + suffix).hexdigest() for p in paths]
     return [hashlib.sha256(np.ascontiguousarray(data.images_at(np.array([i]))).tobytes()).hexdigest() for i in range(len(data))]
 

@@ -59,6 +59,7 @@ class FederationConfig:
     alpha: float = 1.0
     test_size: int = 600  # generated test images, used only when the factories' data is generated
     test_data: str = ""  # an image folder for central evaluation (optional)
+    data_bit_depth: int = 16  # significant bits of 16-bit grey images in the central site's folders (test, proxy, validation data)
     registry_dir: str = ""  # absolute path; empty: ./fedforge-registry in the SuperLink's directory
     torch_threads: int = 1
     feature_device: str = "auto"  # where the central site's frozen backbone extracts features (test, proxy, validation sets)
@@ -116,6 +117,8 @@ class FederationConfig:
             raise ValueError(f"channels must be 1 (grey) or 3 (RGB), got {self.channels}")
         if not 8 <= self.image_size <= 1024:
             raise ValueError(f"image-size must be between 8 and 1024, got {self.image_size}")
+        if not 8 <= self.data_bit_depth <= 16:
+            raise ValueError(f"data-bit-depth must be from 8 to 16, got {self.data_bit_depth}")
 
     @classmethod
     def server_keys(cls) -> dict[str, Any]:

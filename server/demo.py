@@ -173,6 +173,8 @@ def own_folders(path: Path, root: Path, chosen: dict[str, Any], aliases: tuple[s
                   f"read as {'RGB' if channels == 3 else 'grey'}, central test set {run_config['test-data']}, "
                   f"proxy set {layout.proxy or 'none'}")
     flags = ["--classes", classes, *layout.alias_flags()]
+    if "data-bit-depth" in chosen:  # the folders' 16-bit grey images, as every site reads them (the factories' --bit-depth)
+        flags += ["--bit-depth", str(chosen["data-bit-depth"])]
     return len(layout.factories), run_config, {i: ["--data", str(train), *flags] for i, train in enumerate(layout.trains)}
 
 

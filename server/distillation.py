@@ -25,7 +25,7 @@ log = logging.getLogger("fedforge.server.distill")
 def load_proxy(cfg: FederationConfig) -> ProxySet:
     """The operator's folder of unlabelled images, or the generator's proxy images for the demo."""
     if cfg.proxy_data:
-        images, report = load_unlabelled_folder(cfg.proxy_data, cfg.image_size, cfg.channels)
+        images, report = load_unlabelled_folder(cfg.proxy_data, cfg.image_size, cfg.channels, cfg.data_bit_depth)
         log.info("proxy set: %d images from %s (%d unreadable, skipped)", report.loaded, cfg.proxy_data, len(report.skipped))
         return ProxySet(images)
     return ProxySet(grey_to_channels(datasets.proxy_images(cfg.spec, cfg.proxy_size), cfg.channels))
@@ -34,10 +34,10 @@ def load_proxy(cfg: FederationConfig) -> ProxySet:
 def load_validation(cfg: FederationConfig) -> ImageSet:
     """Labelled images for keep-or-drop decisions, kept apart from the reported test set when possible."""
     if cfg.validation_data:
-        return load_image_folder(cfg.validation_data, cfg.image_size, cfg.class_list, cfg.channels)[0]
+        return load_image_folder(cfg.validation_data, cfg.image_size, cfg.class_list, cfg.channels, bit_depth=cfg.data_bit_depth)[0]
     if cfg.test_data:
         log.warning("no validation-data folder: distillation decisions use the test folder %s", cfg.test_data)
-        return load_image_folder(cfg.test_data, cfg.image_size, cfg.class_list, cfg.channels)[0]
+        return load_image_folder(cfg.test_data, cfg.image_size, cfg.class_list, cfg.channels, bit_depth=cfg.data_bit_depth)[0]
     return generated(datasets.validation_dataset(cfg.spec, cfg.validation_size), cfg)
 
 

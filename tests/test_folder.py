@@ -137,8 +137,51 @@ def test_sixteen_bit_and_float_camera_images_keep_their_range(tmp_path):
     with pytest.raises(ImageError, match=r"counts\.tif: float \(F\) image with pixel values in \[0, 65535\]"):
         read_image(tmp_path / "counts.tif", 32)
     Image.fromarray(ramp.astype(np.int32) * 10).save(tmp_path / "wide.tif")  # 32-bit integers beyond 16 bits
-    with pytest.raises(ImageError, match=r"wide\.tif: .*expected 8- or 16-bit"):
+    with pytest.raises(ImageError, match=r"wide\.tif: .*expected 16-bit \(0\.\.65535\)"):
         read_image(tmp_path / "wide.tif", 32)
+
+
+def test_a_twelve_bit_camera_reads_as_its_eight_bit_copy_with_bit_depth_12(tmp_path):
+    """A Mono12 camera's 16-bit files (0..4095) read dark at the default 16 bits; with bit-depth 12, at the factory (training,
+    streamed sets, Inspection), the central site (`data-bit-depth`) and the demo's factories, they read as their 8-bit copies.
+    A pixel above 4095 is then refused, naming the file; features cached by file bytes are keyed by the bit depth too."""
+    from client.config import AgentConfig
+    from client.data import DataRequest, open_source
+    from client.inspection import decode_image
+    from common.data.datasets import StreamedImages, SyntheticSpec
+    from common.data.images import ImageError
+    from common.features import content_keys
+    from server.config import FederationConfig
+    from server.demo import own_folders
+
+    ramp = np.linspace(0, 4095, 40 * 60).reshape(40, 60).astype(np.uint16)
+    eight = np.round(ramp / 4095 * 255).astype(np.uint8)
+    for factory in ("plant-a", "plant-b"):
+        for part in ("train", "test"):
+            (tmp_path / factory / part / "ok").mkdir(parents=True)
+            Image.fromarray(ramp).save(tmp_path / factory / part / "ok" / "0.png")
+            Image.fromarray(eight).save(tmp_path / factory / part / "ok" / "1.png")
+            _write(tmp_path / factory / part / "dent" / "2.png", value=0)
+    twelve = tmp_path / "plant-a" / "train" / "ok" / "0.png"
+    assert read_image(twelve, 32).max() <= 4095 / 65535 + 1e-6  # dark at 16 bits
+    as_eight = read_image(tmp_path / "plant-a" / "train" / "ok" / "1.png", 32)
+    assert np.abs(read_image(twelve, 32, bit_depth=12) - as_eight).max() < 0.01
+    assert np.abs(decode_image(twelve.read_bytes(), 32, bit_depth=12) - as_eight).max() < 0.01  # Inspection reads it alike
+    source = open_source(str(tmp_path / "plant-a" / "train"), "ok,dent", (), SyntheticSpec(), 0, bit_depth=12)
+    for limit in (1 << 30, 0):  # kept in memory, and streamed from disk
+        data, _ = source.load(DataRequest(("ok", "dent"), 32, 1), limit)
+        assert np.abs(data.images_at(np.array([1]))[0] - as_eight).max() < 0.01  # dent/2.png, ok/0.png (12-bit), ok/1.png
+    streamed = StreamedImages((twelve,), np.zeros(1, np.int64), ("ok",), 32, 1)
+    assert content_keys(streamed) != content_keys(StreamedImages((twelve,), np.zeros(1, np.int64), ("ok",), 32, 1, bit_depth=12))
+    Image.fromarray(np.full((8, 8), 5000, np.uint16)).save(tmp_path / "bright.png")
+    with pytest.raises(ImageError, match=r"bright\.png: .*expected 12-bit \(0\.\.4095\); is it a camera's 16-bit image"):
+        read_image(tmp_path / "bright.png", 32, bit_depth=12)
+    with pytest.raises(ValueError, match="bit-depth must be an integer from 8 to 16"):
+        AgentConfig(factory_id="plant-a", bit_depth=17)
+    with pytest.raises(ValueError, match="data-bit-depth must be from 8 to 16"):
+        FederationConfig(data_bit_depth=7)
+    *_, flags = own_folders(tmp_path, tmp_path.parent / "demo", {"data-bit-depth": 12})
+    assert flags[0][-2:] == ["--bit-depth", "12"]
 
 
 def test_truncated_and_garbage_files_are_skipped_by_name(tmp_path, caplog):

@@ -90,6 +90,7 @@ class StreamedImages:
     classes: tuple[str, ...]
     size: int
     channels: int = 1
+    bit_depth: int = 16  # significant bits of 16-bit grey images (`common.data.images.read_image`)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -102,12 +103,12 @@ class StreamedImages:
         idx = np.asarray(indices, dtype=np.int64)
         out = np.empty((len(idx), self.channels, self.size, self.size), dtype=np.float32)
         for j, i in enumerate(idx):
-            out[j] = read_image(self.paths[int(i)], self.size, self.channels)
+            out[j] = read_image(self.paths[int(i)], self.size, self.channels, self.bit_depth)
         return out
 
     def subset(self, indices: np.ndarray) -> StreamedImages:
         idx = np.asarray(indices, dtype=np.int64)
-        return StreamedImages(tuple(self.paths[int(i)] for i in idx), self.labels[idx], self.classes, self.size, self.channels)
+        return StreamedImages(tuple(self.paths[int(i)] for i in idx), self.labels[idx], self.classes, self.size, self.channels, self.bit_depth)
 
     def class_counts(self) -> np.ndarray:
         return class_counts(self)

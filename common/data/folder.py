@@ -20,7 +20,7 @@ import numpy as np
 
 from common.data.classes import DEFAULT_CLASSES, ClassListError, assign_folders, label_map
 from common.data.datasets import ImageDataset, ImageSet, StreamedImages
-from common.data.images import SUFFIXES, ImageError, read_image
+from common.data.images import DEFAULT_BIT_DEPTH, SUFFIXES, ImageError, read_image
 from common.data.synth import DEFAULT_SIZE
 
 log = logging.getLogger(__name__)
@@ -139,8 +139,9 @@ def index_image_folder(root: str | Path, classes: Sequence[str] = DEFAULT_CLASSE
 
 
 def load_labelled(index: FolderIndex, classes: Sequence[str], size: int = DEFAULT_SIZE, channels: int = 1,
-                  memory_limit: int = DEFAULT_MEMORY_LIMIT) -> tuple[ImageSet, FolderReport]:
-    """Decode the indexed images at ``size`` x ``size`` with ``channels``, labelled by name in ``classes``.
+                  memory_limit: int = DEFAULT_MEMORY_LIMIT, bit_depth: int = DEFAULT_BIT_DEPTH) -> tuple[ImageSet, FolderReport]:
+    """Decode the indexed images at ``size`` x ``size`` with ``channels`` (16-bit grey ones as ``bit_depth`` bits), labelled
+    by name in ``classes``.
 
     Every file is decoded once here (so an unreadable one is found now, named and skipped); the
     images are kept when they fit in ``memory_limit`` bytes, else the set streams them from disk.
@@ -156,7 +157,7 @@ def load_labelled(index: FolderIndex, classes: Sequence[str], size: int = DEFAUL
     labels: list[int] = []
     for path, name in zip(index.paths, index.names):
         try:
-            image = read_image(path, size, channels)
+            image = read_image(path, size, channels, bit_depth)
         except ImageError as exc:
             report.skipped.append((str(path), str(exc)))
             log.warning("skipping unreadable image %s", exc)
@@ -172,18 +173,20 @@ def load_labelled(index: FolderIndex, classes: Sequence[str], size: int = DEFAUL
     if streamed:
         log.info("data folder %s: %d images (%.0f MB decoded) exceed the memory limit of %.0f MB; streaming from disk",
                  index.root, len(labels), len(labels) * channels * size * size * 4 / 1e6, memory_limit / 1e6)
-        return StreamedImages(tuple(good_paths), label_array, tuple(classes), size, channels), report
+        return StreamedImages(tuple(good_paths), label_array, tuple(classes), size, channels, bit_depth), report
     return ImageDataset(np.stack(kept), label_array, tuple(classes)), report
 
 
 def load_image_folder(root: str | Path, size: int = DEFAULT_SIZE, classes: Sequence[str] | None = None, channels: int = 1,
-                      aliases: Mapping[str, str] | None = None, memory_limit: int = DEFAULT_MEMORY_LIMIT) -> tuple[ImageSet, FolderReport]:
+                      aliases: Mapping[str, str] | None = None, memory_limit: int = DEFAULT_MEMORY_LIMIT,
+                      bit_depth: int = DEFAULT_BIT_DEPTH) -> tuple[ImageSet, FolderReport]:
     """Index and load a labelled folder in one step (the server's test and validation folders, tests)."""
     classes = tuple(classes) if classes is not None else DEFAULT_CLASSES
-    return load_labelled(index_image_folder(root, classes, aliases), classes, size, channels, memory_limit)
+    return load_labelled(index_image_folder(root, classes, aliases), classes, size, channels, memory_limit, bit_depth)
 
 
-def load_unlabelled_folder(root: str | Path, size: int = DEFAULT_SIZE, channels: int = 1) -> tuple[np.ndarray, FolderReport]:
+def load_unlabelled_folder(root: str | Path, size: int = DEFAULT_SIZE, channels: int = 1,
+                           bit_depth: int = DEFAULT_BIT_DEPTH) -> tuple[np.ndarray, FolderReport]:
     """Every readable image under ``root`` (any depth, `image_files`), as (N, channels, size, size) float32; labels are ignored.
 
     For the server's distillation proxy set. Unreadable files are logged by name and skipped.
@@ -194,7 +197,7 @@ def load_unlabelled_folder(root: str | Path, size: int = DEFAULT_SIZE, channels:
     report, images = FolderReport(), []
     for path in image_files(root):
         try:
-            images.append(read_image(path, size, channels))
+            images.append(read_image(path, size, channels, bit_depth))
         except ImageError as exc:
             report.skipped.append((str(path), str(exc)))
             log.warning("skipping unreadable image %s", exc)

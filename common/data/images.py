@@ -13,8 +13,10 @@ and an inspection station's request are resized the same way:
   more bits, as industrial cameras write them, are scaled by their container's range: 16-bit (``I;16``, and
   ``I`` with values within 0..65535) by 65535, float (``F``) taken as it is when within [0, 1]. Pillow's own
   ``convert("L")`` clips such pixels at 255, which turns a 16-bit image white; values outside those ranges are
-  refused naming the file, never guessed. A 12-bit camera that fills only part of a 16-bit container gives dark
-  images: consistently so for training and inspection, but scale them at export for the pretrained backbone.
+  refused naming the file, never guessed. A camera that writes 12 significant bits into the low bits of a 16-bit
+  container (Mono12 as 0..4095) sets ``bit_depth`` 12 (``fedforge client --bit-depth 12``, the run's ``bit-depth`` for
+  the central site's folders): its images are then scaled by 4095, and a pixel above it is refused. Left at 16, such
+  images read dark (0..0.06), which cost 10 points of global accuracy on a held-out data set (docs/benchmarks.md).
 - **Large JPEGs** are decoded at a reduced scale (`JPEG_DRAFT`, in the DCT domain: 1/2, 1/4 or 1/8), never below
   twice ``size`` on either side, then resized as above: a 6-megapixel photograph decodes about 5x faster
   (`bench/data_loading.py --photos`), and the
@@ -51,12 +53,19 @@ def _mode(channels: int) -> str:
 
 
 HIGH_DEPTH_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I", "F"})
-SIXTEEN_BIT = 65535.0
+DEFAULT_BIT_DEPTH = 16  # significant bits of a grey image of more than 8 bits (the module doc)
 
 
-def _unit_grey(img: object) -> object:
-    """A grey image of more than 8 bits (``HIGH_DEPTH_MODES``) as a float image (mode ``F``) in [0, 1], scaled by its
-    container's range; raises `ImageError` for values that fit no known range (see the module doc)."""
+def check_bit_depth(bit_depth: int) -> int:
+    """``bit_depth`` if it is 8..16 (the significant bits of a 16-bit container), else `ValueError` naming it."""
+    if not isinstance(bit_depth, int) or not 8 <= bit_depth <= 16:
+        raise ValueError(f"bit-depth must be an integer from 8 to 16 (the significant bits of 16-bit grey images), got {bit_depth!r}")
+    return bit_depth
+
+
+def _unit_grey(img: object, bit_depth: int = DEFAULT_BIT_DEPTH) -> object:
+    """A grey image of more than 8 bits (``HIGH_DEPTH_MODES``) as a float image (mode ``F``) in [0, 1], scaled by the
+    range of ``bit_depth`` bits; raises `ImageError` for values that fit no known range (see the module doc)."""
     from PIL import Image
 
     assert isinstance(img, Image.Image)
@@ -69,20 +78,21 @@ def _unit_grey(img: object) -> object:
             raise ImageError(f"float (F) image with pixel values in [{low:g}, {high:g}]; expected [0, 1]")
         scale = 1.0
     else:
-        if low < 0.0 or high > SIXTEEN_BIT:
-            raise ImageError(f"{img.mode} image with pixel values in [{low:g}, {high:g}]; expected 8- or 16-bit (0..65535)")
-        scale = SIXTEEN_BIT
+        scale = float(2**bit_depth - 1)
+        if low < 0.0 or high > scale:
+            raise ImageError(f"{img.mode} image with pixel values in [{low:g}, {high:g}]; expected {bit_depth}-bit (0..{scale:.0f})"
+                             + ("; is it a camera's 16-bit image? then bit-depth is 16" if bit_depth < 16 and high <= 65535 else ""))
     return Image.fromarray((values / scale).astype(np.float32), mode="F")
 
 
-def to_array(img: object, size: int, channels: int) -> np.ndarray:
+def to_array(img: object, size: int, channels: int, bit_depth: int = DEFAULT_BIT_DEPTH) -> np.ndarray:
     """A decoded PIL image -> float32 (channels, size, size) in [0, 1] (letterboxed, see the module doc)."""
     from PIL import Image
 
     assert isinstance(img, Image.Image)
     mode = _mode(channels)
     if img.mode in HIGH_DEPTH_MODES:  # more than 8 bits: letterboxed as floats, never rounded to 8 bits
-        grey = np.clip(np.asarray(_letterbox(_unit_grey(img), size), dtype=np.float32), 0.0, 1.0)[None]
+        grey = np.clip(np.asarray(_letterbox(_unit_grey(img, bit_depth), size), dtype=np.float32), 0.0, 1.0)[None]
         return grey if channels == 1 else np.repeat(grey, 3, axis=0)
     array = np.asarray(_letterbox(img.convert(mode), size), dtype=np.float32) / 255.0
     return array[None] if channels == 1 else np.ascontiguousarray(array.transpose(2, 0, 1))
@@ -107,9 +117,10 @@ def _letterbox(img: object, size: int) -> object:
     return out
 
 
-def _decode(source: object, size: int, channels: int, name: str) -> np.ndarray:
+def _decode(source: object, size: int, channels: int, name: str, bit_depth: int) -> np.ndarray:
     from PIL import Image, UnidentifiedImageError
 
+    check_bit_depth(bit_depth)
     try:
         with Image.open(source) as img:  # type: ignore[arg-type]
             if img.width * img.height > MAX_PIXELS:
@@ -118,7 +129,7 @@ def _decode(source: object, size: int, channels: int, name: str) -> np.ndarray:
                 img.draft(img.mode, (JPEG_DRAFT * size, JPEG_DRAFT * size))  # see the module doc: the same on every site
             img.load()  # raises on truncated files (LOAD_TRUNCATED_IMAGES stays off)
             try:
-                return to_array(img, size, channels)
+                return to_array(img, size, channels, bit_depth)
             except ImageError as exc:
                 raise ImageError(f"{name}: {exc}") from exc
     except ImageError:
@@ -127,18 +138,18 @@ def _decode(source: object, size: int, channels: int, name: str) -> np.ndarray:
         raise ImageError(f"{name}: cannot decode image: {exc}") from exc
 
 
-def read_image(path: str | Path, size: int, channels: int = 1) -> np.ndarray:
+def read_image(path: str | Path, size: int, channels: int = 1, bit_depth: int = DEFAULT_BIT_DEPTH) -> np.ndarray:
     """One image file as float32 (channels, size, size); raises `ImageError` naming the file."""
-    return _decode(Path(path), size, channels, str(path))
+    return _decode(Path(path), size, channels, str(path), bit_depth)
 
 
-def decode_image_bytes(data: bytes, size: int, channels: int = 1, max_bytes: int = 8 << 20) -> np.ndarray:
+def decode_image_bytes(data: bytes, size: int, channels: int = 1, max_bytes: int = 8 << 20, bit_depth: int = DEFAULT_BIT_DEPTH) -> np.ndarray:
     """Encoded image bytes (an inspection request) -> float32 (channels, size, size)."""
     if not data:
         raise ImageError("empty image")
     if len(data) > max_bytes:
         raise ImageError(f"image of {len(data)} bytes exceeds the {max_bytes} byte limit")
-    return _decode(io.BytesIO(data), size, channels, "image")
+    return _decode(io.BytesIO(data), size, channels, "image", bit_depth)
 
 
 COLOUR_CHROMA = 0.02  # median mean chroma above which images count as colour (grey images saved as RGB PNG or JPEG: 0)

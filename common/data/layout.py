@@ -180,9 +180,9 @@ class FolderFederation:
                     link.symlink_to(image.resolve())
         return out
 
-    def test_set(self, folder: Path, size: int, channels: int) -> ImageDataset:
+    def test_set(self, folder: Path, size: int, channels: int, bit_depth: int = 16) -> ImageDataset:
         """A labelled folder decoded in memory, labelled by the federation's class list."""
-        data, _report = load_image_folder(folder, size, self.classes, channels, aliases=self.aliases)
+        data, _report = load_image_folder(folder, size, self.classes, channels, aliases=self.aliases, bit_depth=bit_depth)
         return ImageDataset(data.images_at(np.arange(len(data))), np.asarray(data.labels), self.classes)
 
 
