@@ -1,5 +1,7 @@
 """Users' own image folders: the class list maps folders by name, any format and size loads, big folders stream."""
 
+import re
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -141,7 +143,7 @@ def test_sixteen_bit_and_float_camera_images_keep_their_range(tmp_path):
         read_image(tmp_path / "wide.tif", 32)
 
 
-def test_a_twelve_bit_camera_reads_as_its_eight_bit_copy_with_bit_depth_12(tmp_path):
+def test_a_twelve_bit_camera_reads_as_its_eight_bit_copy_with_bit_depth_12(tmp_path, caplog):
     """A Mono12 camera's 16-bit files (0..4095) read dark at the default 16 bits; with bit-depth 12, at the factory (training,
     streamed sets, Inspection), the central site (`data-bit-depth`) and the demo's factories, they read as their 8-bit copies.
     A pixel above 4095 is then refused, naming the file; features cached by file bytes are keyed by the bit depth too."""
@@ -163,6 +165,13 @@ def test_a_twelve_bit_camera_reads_as_its_eight_bit_copy_with_bit_depth_12(tmp_p
             Image.fromarray(eight).save(tmp_path / factory / part / "ok" / "1.png")
             _write(tmp_path / factory / part / "dent" / "2.png", value=0)
     twelve = tmp_path / "plant-a" / "train" / "ok" / "0.png"
+    (tmp_path / "plant-a" / "train" / "ok" / "1.png").unlink()  # a folder of the camera's images only: read at 16 bits, it says so
+    load_image_folder(tmp_path / "plant-a" / "train", 32, ("ok", "dent"))
+    assert re.search(r"exceeds 40\d\d of 65535: a 12-bit camera's 16-bit files\? then set --bit-depth 12", caplog.text)
+    caplog.clear()
+    load_image_folder(tmp_path / "plant-a" / "train", 32, ("ok", "dent"), bit_depth=12)
+    assert "camera's 16-bit files" not in caplog.text
+    Image.fromarray(eight).save(tmp_path / "plant-a" / "train" / "ok" / "1.png")
     assert read_image(twelve, 32).max() <= 4095 / 65535 + 1e-6  # dark at 16 bits
     as_eight = read_image(tmp_path / "plant-a" / "train" / "ok" / "1.png", 32)
     assert np.abs(read_image(twelve, 32, bit_depth=12) - as_eight).max() < 0.01

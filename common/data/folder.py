@@ -138,6 +138,18 @@ def index_image_folder(root: str | Path, classes: Sequence[str] = DEFAULT_CLASSE
     return FolderIndex(root, tuple(paths), tuple(names), mapping)
 
 
+def bit_depth_hint(brightest: float, bit_depth: int) -> str:
+    """What to set when no pixel of a folder read at 16 bits reaches 1/16 of the range ('' otherwise): its files are most
+    likely a 10- or 12-bit camera's, written into the low bits of 16 (`common.data.images`), and read dark. (A 14-bit
+    camera's reach a quarter of the range, as a dim 16-bit image may: not flagged.)"""
+    raw = brightest * (2**16 - 1)
+    bits = next((b for b in (10, 12) if raw <= 2**b - 1 + 0.5), None) if bit_depth == 16 and brightest > 0 else None
+    if bits is None:
+        return ""
+    return (f"no pixel of its images exceeds {raw:.0f} of 65535: a {bits}-bit camera's 16-bit files? then set --bit-depth {bits} at the "
+            f"factory (data-bit-depth for the central site's folders); read as 16 bits they are dark")
+
+
 def load_labelled(index: FolderIndex, classes: Sequence[str], size: int = DEFAULT_SIZE, channels: int = 1,
                   memory_limit: int = DEFAULT_MEMORY_LIMIT, bit_depth: int = DEFAULT_BIT_DEPTH) -> tuple[ImageSet, FolderReport]:
     """Decode the indexed images at ``size`` x ``size`` with ``channels`` (16-bit grey ones as ``bit_depth`` bits), labelled
@@ -155,6 +167,7 @@ def load_labelled(index: FolderIndex, classes: Sequence[str], size: int = DEFAUL
     kept: list[np.ndarray] = []
     good_paths: list[Path] = []
     labels: list[int] = []
+    brightest = 0.0
     for path, name in zip(index.paths, index.names):
         try:
             image = read_image(path, size, channels, bit_depth)
@@ -164,11 +177,14 @@ def load_labelled(index: FolderIndex, classes: Sequence[str], size: int = DEFAUL
             continue
         good_paths.append(path)
         labels.append(labels_of[name])
+        brightest = max(brightest, float(image.max()))
         if not streamed:
             kept.append(image)
     report.loaded = len(labels)
     if not labels:
         raise DatasetError(f"data folder {index.root} holds no readable images ({len(report.skipped)} unreadable)")
+    if hint := bit_depth_hint(brightest, bit_depth):
+        log.warning("data folder %s: %s", index.root, hint)
     label_array = np.asarray(labels, dtype=np.int64)
     if streamed:
         log.info("data folder %s: %d images (%.0f MB decoded) exceed the memory limit of %.0f MB; streaming from disk",
@@ -203,5 +219,7 @@ def load_unlabelled_folder(root: str | Path, size: int = DEFAULT_SIZE, channels:
             log.warning("skipping unreadable image %s", exc)
     if not images:
         raise DatasetError(f"proxy folder {root} holds no readable images")
+    if hint := bit_depth_hint(max(float(image.max()) for image in images), bit_depth):
+        log.warning("proxy folder %s: %s", root, hint)
     report.loaded = len(images)
     return np.stack(images).astype(np.float32), report
