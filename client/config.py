@@ -104,8 +104,9 @@ class AgentConfig:
             raise ValueError(f"--local-world-size must be >= 1, got {self.local_world_size}")
         if self.memory_limit_mb < 0:
             raise ValueError(f"--memory-limit-mb must be >= 0, got {self.memory_limit_mb}")
-        if not isinstance(self.bit_depth, int) or not 8 <= self.bit_depth <= 16:
-            raise ValueError(f"--bit-depth must be an integer from 8 to 16, got {self.bit_depth!r}")
+        from common.data.images import check_bit_depth
+
+        check_bit_depth(self.bit_depth)
         if self.registry and not (self.registry_public_key and self.release_public_key and self.registry_token):
             raise ValueError("--registry needs --registry-public-key (signing.pub), --release-public-key (release.pub) and --registry-token: "
                              "models are only loaded after verification, and only served with a signed approval")

@@ -19,7 +19,7 @@ from common.data import datasets, synth
 from common.data.classes import ClassListError, label_map, parse_aliases, parse_classes
 from common.data.datasets import ImageDataset, ImageSet, stratified_split
 from common.data.folder import DatasetError, FolderIndex, FolderReport, index_image_folder, load_labelled
-from common.data.images import COLOUR_CHROMA, grey_to_channels, median_chroma
+from common.data.images import COLOUR_CHROMA, DEFAULT_BIT_DEPTH, grey_to_channels, median_chroma
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class SyntheticSource:
 class FolderSource:
     index: FolderIndex
     kind: str = "folder"
-    bit_depth: int = 16  # significant bits of its 16-bit grey images (`AgentConfig.bit_depth`)
+    bit_depth: int = DEFAULT_BIT_DEPTH  # significant bits of its 16-bit grey images (`AgentConfig.bit_depth`)
 
     @property
     def description(self) -> str:
@@ -100,7 +100,7 @@ class FolderSource:
 
 
 def open_source(data: str, classes: str, aliases: tuple[str, ...] | list[str], spec: datasets.SyntheticSpec, factory_index: int,
-                bit_depth: int = 16) -> DataSource:
+                bit_depth: int = DEFAULT_BIT_DEPTH) -> DataSource:
     """``--data synthetic`` or an image folder (its 16-bit grey images of ``bit_depth`` bits), checked against the factory's own
     class list now."""
     if data == "synthetic":

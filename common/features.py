@@ -82,7 +82,7 @@ def content_keys(data: ImageSet) -> list[str]:
     paths = getattr(data, "paths", None)
     if paths is not None:
         bits = getattr(data, "bit_depth", decoding.DEFAULT_BIT_DEPTH)
-        suffix = f"|{data.image_shape}|decode-{decoding.DECODE_VERSION}".encode() + (f"|bits-{bits}".encode() if bits != 16 else b"")
+        suffix = f"|{data.image_shape}|decode-{decoding.DECODE_VERSION}".encode() + (f"|bits-{bits}".encode() if bits != decoding.DEFAULT_BIT_DEPTH else b"")
         return [hashlib.sha256(Path(p).read_bytes() + suffix).hexdigest() for p in paths]
     return [hashlib.sha256(np.ascontiguousarray(data.images_at(np.array([i]))).tobytes()).hexdigest() for i in range(len(data))]
 

@@ -20,7 +20,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from common.data import synth
-from common.data.images import read_image
+from common.data.images import DEFAULT_BIT_DEPTH, read_image
 
 
 @runtime_checkable
@@ -90,7 +90,7 @@ class StreamedImages:
     classes: tuple[str, ...]
     size: int
     channels: int = 1
-    bit_depth: int = 16  # significant bits of 16-bit grey images (`common.data.images.read_image`)
+    bit_depth: int = DEFAULT_BIT_DEPTH  # significant bits of 16-bit grey images (`common.data.images.read_image`)
 
     def __len__(self) -> int:
         return len(self.labels)

@@ -101,9 +101,12 @@ def _walk_images(folder: Path) -> Iterator[Path]:
         seen.add(real)
         folders[:] = sorted(d for d in folders if not d.startswith("."))
         for name in files:
-            path = Path(top) / name
-            if not name.startswith(".") and path.suffix.lower() in SUFFIXES and path.is_file():
+            if _is_image_file(path := Path(top) / name):
                 yield path
+
+
+def _is_image_file(path: Path) -> bool:
+    return not path.name.startswith(".") and path.suffix.lower() in SUFFIXES and path.is_file()
 
 
 def index_image_folder(root: str | Path, classes: Sequence[str] = DEFAULT_CLASSES, aliases: Mapping[str, str] | None = None) -> FolderIndex:
@@ -125,7 +128,7 @@ def index_image_folder(root: str | Path, classes: Sequence[str] = DEFAULT_CLASSE
             raise DatasetError(f"data folder {root} holds {splits}, which look like a data set's splits, not classes: give the folder "
                                f"of class folders, e.g. {root / train} (a factory holds out its own share of it for evaluation)") from None
         raise DatasetError(str(exc)) from None
-    loose = [p.name for p in root.iterdir() if p.suffix.lower() in SUFFIXES and not p.name.startswith(".") and p.is_file()]
+    loose = [p.name for p in root.iterdir() if _is_image_file(p)]
     if loose:
         log.warning("data folder %s: %d images outside any class folder are ignored (e.g. %s)", root, len(loose), loose[0])
     paths, names = [], []

@@ -49,7 +49,7 @@ from common.data.folder import (
     image_files,
     load_image_folder,
 )
-from common.data.images import COLOUR_CHROMA, median_chroma
+from common.data.images import COLOUR_CHROMA, DEFAULT_BIT_DEPTH, median_chroma
 
 __all__ = ["CENTRAL_TEST_NAMES", "PROXY_NAMES", "TEST_NAMES", "TRAIN_NAMES", "UNSPLIT_TEST_SHARE", "FolderFederation", "split_unsplit"]
 
@@ -180,7 +180,7 @@ class FolderFederation:
                     link.symlink_to(image.resolve())
         return out
 
-    def test_set(self, folder: Path, size: int, channels: int, bit_depth: int = 16) -> ImageDataset:
+    def test_set(self, folder: Path, size: int, channels: int, bit_depth: int = DEFAULT_BIT_DEPTH) -> ImageDataset:
         """A labelled folder decoded in memory, labelled by the federation's class list."""
         data, _report = load_image_folder(folder, size, self.classes, channels, aliases=self.aliases, bit_depth=bit_depth)
         return ImageDataset(data.images_at(np.arange(len(data))), np.asarray(data.labels), self.classes)
