@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from common.data.classes import ClassListError, label_map, parse_aliases, parse_
 from common.data.datasets import ImageDataset, ImageSet, stratified_split
 from common.data.folder import DatasetError, FolderIndex, FolderReport, index_image_folder, load_labelled
 from common.data.images import COLOUR_CHROMA, DEFAULT_BIT_DEPTH, grey_to_channels, median_chroma
+
+if TYPE_CHECKING:
+    from client.config import AgentConfig
 
 log = logging.getLogger(__name__)
 
@@ -156,3 +159,11 @@ class FactoryData:
         log.info("data for %d px x %d channel(s): %d training and %d held-out images%s (%d unreadable, skipped)", request.image_size,
                  request.channels, len(train_idx), len(held_idx), ", streamed from disk" if report.streamed else "", len(report.skipped))
         return self._current
+
+
+def factory_data(cfg: AgentConfig) -> FactoryData:
+    """The factory's data as its configuration names it: the agent and each of its DDP/FSDP workers open it here, so
+    that they read the same images the same way (bit depth included) and hold out the same split."""
+    spec = datasets.SyntheticSpec(seed=cfg.data_seed, num_factories=cfg.num_factories, alpha=cfg.alpha, train_size=cfg.train_size)
+    source = open_source(cfg.data, cfg.classes, cfg.class_alias, spec, cfg.factory_index, cfg.bit_depth)
+    return FactoryData(source, cfg.val_fraction, cfg.data_seed, cfg.memory_limit)

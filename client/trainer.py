@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from client.config import AgentConfig
-from client.data import DataRequest, FactoryData, fit_reason, open_source
+from client.data import DataRequest, factory_data, fit_reason
 from client.dp import DPPlan, check_dp_compatible, noisy_counts, noisy_gradient_step, sample_rate, steps_per_epoch, train_private
 from client.parallel import apply_activation_checkpointing
 from client.personal import PersonalModels, hit_rate, public_examples, weights_digest
@@ -107,9 +107,7 @@ class FactoryTrainer:
         set_torch_threads(cfg.torch_threads)
         self.cfg = cfg
         self.started = time.time()
-        spec = datasets.SyntheticSpec(seed=cfg.data_seed, num_factories=cfg.num_factories, alpha=cfg.alpha, train_size=cfg.train_size)
-        source = open_source(cfg.data, cfg.classes, cfg.class_alias, spec, cfg.factory_index, cfg.bit_depth)
-        self.data = FactoryData(source, cfg.val_fraction, cfg.data_seed, cfg.memory_limit)
+        self.data = factory_data(cfg)
         state = Path(cfg.state_dir)
         self.features = FeatureCache(cache_path(state / "features.db"))
         self._feature_sets: dict[tuple[str, DataRequest], tuple[ImageSet, ImageSet]] = {}
@@ -126,8 +124,9 @@ class FactoryTrainer:
         self.workers = WorkerGroup(cfg, cfg.parallelism, cfg.local_world_size) if cfg.parallelism != "none" else None
         self.last_figures: dict[str, Any] = {}  # this factory's own latest evaluation (Health, logs)
         counts = self.data.counts()
-        log.info("factory %s: %d images from %s (%s)", cfg.factory_id, sum(counts.values()), source.description,
-                 ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+        log.info("factory %s: %d image files from %s (%s)%s", cfg.factory_id, sum(counts.values()), self.data.source.description,
+                 ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
+                 "; each is decoded when a run first asks for its size, and unreadable ones are then skipped by name" if self.data.source.kind == "folder" else "")
 
     # what the server learns when it first meets this factory ------------------------------------
     def describe(self, config: dict[str, Any]) -> dict[str, Any]:

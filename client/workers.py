@@ -123,18 +123,8 @@ class WorkerGroup:
 # worker side
 
 
-def factory_data(cfg: AgentConfig) -> Any:
-    """The factory's data as the agent opens it (each worker opens its own; the split is the same everywhere)."""
-    from client.data import FactoryData, open_source
-    from common.data.datasets import SyntheticSpec
-
-    spec = SyntheticSpec(seed=cfg.data_seed, num_factories=cfg.num_factories, alpha=cfg.alpha, train_size=cfg.train_size)
-    return FactoryData(open_source(cfg.data, cfg.classes, cfg.class_alias, spec, cfg.factory_index), cfg.val_fraction, cfg.data_seed,
-                       cfg.memory_limit)
-
-
 def _worker_main(rank: int, world_size: int, port: int, backend: str, cfg: AgentConfig, parallelism: str, jobs: Any, results: Any) -> None:
-    from client.data import DataRequest
+    from client.data import DataRequest, factory_data
     from common.training import set_torch_threads
 
     try:

@@ -118,8 +118,7 @@ def test_the_pretrained_default_learns_far_faster_than_a_model_from_scratch(defa
     """The default recipe (frozen EfficientNet-Lite0, federated head) after 2 secure rounds over real processes, against
     `cnn-small` from scratch after the same 2 rounds of FedAvg on the same factories' data (in process, same local epochs)."""
     from client.config import AgentConfig
-    from client.data import DataRequest
-    from client.workers import factory_data
+    from client.data import DataRequest, factory_data
     from common.data import datasets
     from common.models import build_model, load_weights, weights_of
     from common.training import TrainConfig, evaluate, train

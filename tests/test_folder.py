@@ -118,6 +118,45 @@ def test_a_large_jpeg_decodes_at_a_reduced_scale_to_what_the_full_image_gives(tm
     assert content_keys(streamed) != before
 
 
+def test_a_photographs_exif_orientation_is_applied_as_a_viewer_shows_it(tmp_path):
+    """A camera that stores a portrait photograph as landscape pixels plus an orientation tag reads like the photograph
+    an export already turned upright, in every format, from a folder and from an inspection request alike; a large JPEG
+    decoded at a reduced scale is turned too. An EXIF block that cannot be parsed leaves the pixels as stored."""
+    import io
+
+    from common.data.images import decode_image_bytes
+
+    rng = np.random.default_rng(1)
+    stored = (rng.random((30, 60)) * 255).astype(np.uint8)
+    stored[:, :12] = 255  # a bright strip on the left of the stored pixels
+    turns = {3: np.rot90(stored, 2), 6: np.rot90(stored, -1), 8: np.rot90(stored, 1), 2: stored[:, ::-1], 5: stored.T}
+    for orientation, upright in turns.items():
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        Image.fromarray(stored).save(tmp_path / f"tagged-{orientation}.png", exif=exif)
+        Image.fromarray(np.ascontiguousarray(upright)).save(tmp_path / f"upright-{orientation}.png")
+        tagged = read_image(tmp_path / f"tagged-{orientation}.png", 32)
+        assert np.array_equal(tagged, read_image(tmp_path / f"upright-{orientation}.png", 32)), orientation
+        assert np.array_equal(tagged, decode_image_bytes((tmp_path / f"tagged-{orientation}.png").read_bytes(), 32))
+    assert read_image(tmp_path / "tagged-6.png", 32)[0, :4, 10:22].mean() > 0.9  # the strip on top, letterboxed: as a viewer shows it
+
+    photo = Image.fromarray(stored).resize((1500, 750), Image.BICUBIC).convert("RGB")
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    photo.save(tmp_path / "camera.jpg", quality=95, exif=exif)
+    photo.rotate(-90, expand=True).save(tmp_path / "exported.jpg", quality=95)
+    for channels in (1, 3):
+        camera, exported = read_image(tmp_path / "camera.jpg", 64, channels), read_image(tmp_path / "exported.jpg", 64, channels)
+        assert np.abs(camera - exported).mean() < 2 / 255 and camera[:, :10, 20:44].mean() > 0.9
+
+    encoded = io.BytesIO()
+    Image.fromarray(stored).save(encoded, "JPEG", quality=95)
+    plain = encoded.getvalue()
+    broken = plain[:2] + b"\xff\xe1\x00\x10Exif\x00\x00MM\x00\x2a\xff\xff\xff\xff" + plain[2:]  # an IFD offset past the end
+    with pytest.warns(UserWarning, match="EXIF"):
+        assert np.array_equal(decode_image_bytes(broken, 32), decode_image_bytes(plain, 32))
+
+
 def test_sixteen_bit_and_float_camera_images_keep_their_range(tmp_path):
     """A 16-bit grey PNG or TIFF (an industrial camera's) reads as its 8-bit copy does, not clipped white as Pillow's
     convert("L") would make it; a float TIFF in [0, 1] too; pixel values beyond the container's range are refused by name."""
@@ -148,7 +187,7 @@ def test_a_twelve_bit_camera_reads_as_its_eight_bit_copy_with_bit_depth_12(tmp_p
     streamed sets, Inspection), the central site (`data-bit-depth`) and the demo's factories, they read as their 8-bit copies.
     A pixel above 4095 is then refused, naming the file; features cached by file bytes are keyed by the bit depth too."""
     from client.config import AgentConfig
-    from client.data import DataRequest, open_source
+    from client.data import DataRequest, factory_data, open_source
     from client.inspection import decode_image
     from common.data.datasets import StreamedImages, SyntheticSpec
     from common.data.images import ImageError
@@ -180,6 +219,10 @@ def test_a_twelve_bit_camera_reads_as_its_eight_bit_copy_with_bit_depth_12(tmp_p
     for limit in (1 << 30, 0):  # kept in memory, and streamed from disk
         data, _ = source.load(DataRequest(("ok", "dent"), 32, 1), limit)
         assert np.abs(data.images_at(np.array([1]))[0] - as_eight).max() < 0.01  # dent/2.png, ok/0.png (12-bit), ok/1.png
+    # what the agent and each of its DDP/FSDP workers open (`client.workers` trains on it): the factory's --bit-depth too
+    factory = factory_data(AgentConfig(factory_id="plant-a", data=str(tmp_path / "plant-a" / "train"), classes="ok,dent", bit_depth=12,
+                                       val_fraction=0.0))
+    assert np.abs(factory.split(DataRequest(("ok", "dent"), 32, 1)).train.images_at(np.array([1]))[0] - as_eight).max() < 0.01
     streamed = StreamedImages((twelve,), np.zeros(1, np.int64), ("ok",), 32, 1)
     assert content_keys(streamed) != content_keys(StreamedImages((twelve,), np.zeros(1, np.int64), ("ok",), 32, 1, bit_depth=12))
     Image.fromarray(np.full((8, 8), 5000, np.uint16)).save(tmp_path / "bright.png")

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from client.config import AgentConfig
-from client.data import DataRequest
+from client.data import DataRequest, factory_data
 from client.dp import DPPlan
-from client.workers import Job, WorkerGroup, factory_data
+from client.workers import Job, WorkerGroup
 from common.models import build_model
 from common.training import TrainConfig, train
 

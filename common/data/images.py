@@ -21,6 +21,10 @@ and an inspection station's request are resized the same way:
   twice ``size`` on either side, then resized as above: a 6-megapixel photograph decodes about 5x faster
   (`bench/data_loading.py --photos`), and the
   pixels ``size`` keeps are averaged from the same area of the photograph.
+- **EXIF orientation** is applied (`upright`): a camera or phone that stores a portrait photograph as landscape pixels
+  plus an orientation tag is read the way every viewer shows it, so a factory's training photos, an export that has
+  already rotated them, and an inspection station's request all read alike. A file whose EXIF block cannot be
+  parsed is read as stored (its pixels are fine; the tag is not).
 - Values are float32 in [0, 1], shape (channels, size, size).
 """
 
@@ -35,8 +39,9 @@ import numpy as np
 
 SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".gif", ".pgm", ".ppm"})
 # How files become arrays here, for caches keyed by a file's bytes (`common.features.content_keys`): bump it when decoding
-# changes what an encoded file decodes to. 2: large JPEGs decoded at a reduced scale (`JPEG_DRAFT`).
-DECODE_VERSION = 2
+# changes what an encoded file decodes to. 2: large JPEGs decoded at a reduced scale (`JPEG_DRAFT`); 3: EXIF orientation
+# applied (`upright`).
+DECODE_VERSION = 3
 JPEG_DRAFT = 2  # a JPEG is decoded at the smallest DCT scale that keeps both sides >= JPEG_DRAFT x size
 MAX_PIXELS = 64_000_000  # larger images are refused (decompression bombs)
 CHANNELS = (1, 3)
@@ -117,6 +122,24 @@ def _letterbox(img: object, size: int) -> object:
     return out
 
 
+EXIF_ORIENTATION = 0x0112
+
+
+def upright(img: object) -> object:
+    """``img`` turned as its EXIF orientation tag says (1-8; any other value, or an unreadable EXIF block, leaves it as
+    stored): what an image viewer shows, and what the person who labelled the photograph saw."""
+    from PIL import Image, ImageOps
+
+    assert isinstance(img, Image.Image)
+    try:
+        orientation = img.getexif().get(EXIF_ORIENTATION, 1)
+    except Exception:  # noqa: BLE001 - Pillow's EXIF parser raises many kinds on a malformed block; the pixels are still good
+        return img
+    if orientation not in range(2, 9):
+        return img
+    return ImageOps.exif_transpose(img)
+
+
 def _decode(source: object, size: int, channels: int, name: str, bit_depth: int) -> np.ndarray:
     from PIL import Image, UnidentifiedImageError
 
@@ -129,7 +152,7 @@ def _decode(source: object, size: int, channels: int, name: str, bit_depth: int)
                 img.draft(img.mode, (JPEG_DRAFT * size, JPEG_DRAFT * size))  # see the module doc: the same on every site
             img.load()  # raises on truncated files (LOAD_TRUNCATED_IMAGES stays off)
             try:
-                return to_array(img, size, channels, bit_depth)
+                return to_array(upright(img), size, channels, bit_depth)
             except ImageError as exc:
                 raise ImageError(f"{name}: {exc}") from exc
     except ImageError:
