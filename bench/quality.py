@@ -361,7 +361,7 @@ def main() -> None:
                 "classes at the run's default size)")
     set_torch_threads(a.threads)
     # a temporary working directory (its feature caches hold hundreds of MB) goes when the bench ends, however it ends
-    with contextlib.nullcontext(a.workdir) if a.workdir else tempfile.TemporaryDirectory(prefix="fedforge-quality-") as workdir:
+    with contextlib.nullcontext(a.workdir) if a.workdir else tempfile.TemporaryDirectory(prefix="fedforge-quality-", ignore_cleanup_errors=True) as workdir:
         try:
             folders = Folders.at(a.folders, a.classes, split_dir=Path(workdir) / "split", aliases=parse_aliases(a.class_alias)) if a.folders else None
         except ValueError as exc:  # DatasetError, ClassListError: the message names the folder

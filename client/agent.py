@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 1 << 30
 GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+DESCRIBE_WAIT_S = 5.0  # how long Describe waits for a round of another run before leaving the re-index to the new run's first round
 
 
 def _config(struct: Any) -> dict[str, Any]:
@@ -58,11 +59,22 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
         # contribution before masking, so a bench can check the server's sum against the factories' inputs.
         self.audit: Any = None
         self._lock = threading.Lock()
+        self._data_run: str | None = None  # the run the factory's data was last indexed for (`_follow_run`)
+
+    def _follow_run(self, run_id: str) -> None:
+        """A run this agent has not seen before indexes the factory's folder again (`FactoryTrainer.refresh_data`), so
+        images copied in since the last run are trained on without a restart. Called holding ``_lock``; within a run
+        the images stay as they were at its first message, which keeps a round's DP accounting and split fixed."""
+        if not run_id or run_id == self._data_run:
+            return
+        self.trainer.refresh_data()  # cheap when nothing changed: a walk of the folder and a stat of each file
+        self._data_run = run_id
 
     def Train(self, request: edge_pb2.TrainRequest, context: grpc.ServicerContext) -> edge_pb2.TrainReply:
         arrived = time.monotonic()
         with self._lock, _status_on_error(context, "train"):
             waited = time.monotonic() - arrived
+            self._follow_run(request.run_id)
             config = _config(request.config)
             self._check_architecture(config)
             secure = MaskedInput.from_fields(from_values(request.secagg)) if request.secagg else None
@@ -193,6 +205,7 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
 
     def Evaluate(self, request: edge_pb2.EvaluateRequest, context: grpc.ServicerContext) -> edge_pb2.EvaluateReply:
         with self._lock, _status_on_error(context, "evaluate"):
+            self._follow_run(request.run_id)
             config = _config(request.config)
             self._check_architecture(config)
             secure = MaskedInput.from_fields(from_values(request.secagg)) if request.secagg else None
@@ -212,6 +225,13 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
 
     def Describe(self, request: edge_pb2.DescribeRequest, context: grpc.ServicerContext) -> edge_pb2.DescribeReply:
         with _status_on_error(context, "describe"):
+            # a new run's first message: index the folder again, unless a round of another run holds the agent (then its
+            # first train or evaluate message does)
+            if self._lock.acquire(timeout=DESCRIBE_WAIT_S):
+                try:
+                    self._follow_run(request.run_id)
+                finally:
+                    self._lock.release()
             config = _config(request.config)
             info = self.trainer.describe(config)
             if info["fits"]:  # decode and extract features while the server exchanges keys: round 1 then trains at once

@@ -162,7 +162,7 @@ def describe(msg: Message, context: Context) -> Message:
     """Who this factory is, which model it trains, and whether its classes fit the run's list."""
     config = struct_pb2.Struct()
     config.update(dict(msg.content["config"]) if "config" in msg.content else {})
-    reply = _call(context, "Describe", edge_pb2.DescribeRequest(config=config))
+    reply = _call(context, "Describe", edge_pb2.DescribeRequest(config=config, run_id=str(context.run_id)))
     info = ConfigRecord({"factory-id": reply.factory_id, "architecture": reply.architecture, "fits": bool(reply.fits), "reason": reply.reason,
                          "data-source": reply.data_source, "dp": bool(reply.dp), **({"class-counts": list(reply.class_counts)} if reply.class_counts else {}),
                          **({"personalizes": bool(reply.personalizes)} if reply.HasField("personalizes") else {})})

@@ -128,6 +128,21 @@ class FactoryTrainer:
                  ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
                  "; each is decoded when a run first asks for its size, and unreadable ones are then skipped by name" if self.data.source.kind == "folder" else "")
 
+    def refresh_data(self) -> bool:
+        """Index the factory's folder again (a new run begins): images copied in, removed or rewritten since are used from
+        now on, without restarting the agent; what was derived from the old images (decoded split, features in memory, the
+        head trained on them alone) is dropped. Features cached on disk are keyed by content, so only new images cost a
+        pass through the backbone. Whether anything changed."""
+        change = self.data.refresh()
+        if not change:
+            return False
+        with self._alone_lock:
+            self._alone_heads.clear()
+        self._feature_sets = {}
+        log.info("factory %s: data folder %s changed: %s; this run trains on the images there now", self.cfg.factory_id,
+                 self.data.source.description, change)
+        return True
+
     # what the server learns when it first meets this factory ------------------------------------
     def describe(self, config: dict[str, Any]) -> dict[str, Any]:
         """Whether this factory's classes fit the run's class list (and why not); its counts only with --share-metrics."""
@@ -234,7 +249,7 @@ class FactoryTrainer:
         secure_sum_step = dp_plan is not None and self.budget is not None and self.budget.secure_sum
         if self.workers is not None and not is_pretrained(prep.architecture) and not secure_sum_step:
             out = self.workers.run(Job(weights=dict(weights), architecture=prep.architecture, train=asdict(cfg), request=prep.request,
-                                       dp=dp_plan, fix_model=self.cfg.dp_fix_model))
+                                       dp=dp_plan, fix_model=self.cfg.dp_fix_model, data_version=self.data.source.version))
             new, result = out["weights"], TrainResult(out["loss"], out["accuracy"], out["steps"], out["examples"])
             load_weights(prep.model, new)
         else:

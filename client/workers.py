@@ -44,6 +44,7 @@ class Job:
     request: Any = None  # client.data.DataRequest: the run's classes, image size and channels (None: the defaults)
     dp: DPPlan | None = None  # what the factory's budget allows this round (None: no DP)
     fix_model: bool = False  # --dp-fix-model: replace layers DP-SGD cannot train instead of refusing
+    data_version: str = ""  # the agent's `DataSource.version`: a worker holding other images opens the folder again
 
 
 class WorkerGroup:
@@ -146,6 +147,11 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, cfg: Agent
         if job is None:
             break
         try:
+            if job.data_version and job.data_version != data.source.version:
+                data = factory_data(cfg)  # the agent indexed its folder again (a new run): train on what it trains on
+                if job.data_version != data.source.version:
+                    raise RuntimeError(f"data folder {data.source.description} changed again since the agent indexed it for this run; "
+                                       "the next run uses what is there then")
             train_data = data.split(job.request or DataRequest()).train
             out = run_job(job, train_data, parallelism, rank, world_size, backend)
             results.put((rank, "ok", out if rank == 0 else {"digest": out["digest"], "pid": os.getpid()}))

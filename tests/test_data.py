@@ -68,3 +68,23 @@ def test_invalid_inputs_are_rejected(spec):
         datasets.factory_dataset(spec, 9)
     with pytest.raises(ValueError, match="alpha"):
         datasets.label_mix(0, 3, 0.0)
+
+
+def test_a_folders_held_out_images_stay_held_out_when_images_are_added():
+    """An image's split depends on its path and the seed only: adding a third more images to every class moves none of the
+    images already there from one split to the other, and the held-out share stays near the fraction asked for. A class's
+    only image trains, and a class of two has one image in each split, as with the stratified split."""
+    from common.data.datasets import keyed_split
+
+    labels = np.repeat(np.arange(3), 100)
+    keys = [f"{c}/{i:04d}.png" for c, i in zip(labels, range(300))]
+    train, held = keyed_split(keys, labels, 0.2, seed=7)
+    assert sorted(np.concatenate([train, held]).tolist()) == list(range(300)) and 0.12 < len(held) / 300 < 0.28
+    more_labels = np.concatenate([labels, np.repeat(np.arange(3), 33)])
+    more_keys = keys + [f"{c}/new-{i:04d}.png" for c, i in zip(np.repeat(np.arange(3), 33), range(99))]
+    train2, held2 = keyed_split(more_keys, more_labels, 0.2, seed=7)
+    assert set(held2[held2 < 300].tolist()) == set(held.tolist()) and set(train2[train2 < 300].tolist()) == set(train.tolist())
+    assert set(keyed_split(keys, labels, 0.2, seed=8)[1].tolist()) != set(held.tolist())  # another factory seed, another split
+    train3, held3 = keyed_split(["a/1", "b/1", "b/2"], np.array([0, 1, 1]), 0.9, seed=0)
+    assert train3.tolist()[0] == 0 and len(held3) == 1 and len(train3) == 2
+    assert keyed_split(keys, labels, 0.0, seed=7)[1].size == 0

@@ -130,6 +130,33 @@ def stratified_split(labels: np.ndarray, fraction: float, seed: int) -> tuple[np
     return cat(train).astype(np.int64), cat(held).astype(np.int64)
 
 
+def keyed_split(keys: Sequence[str], labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train indices, held-out indices) of images named by ``keys`` (a folder's relative paths): an image is held out when
+    the SHA-256 of (``seed``, its key) falls in the lowest ``fraction`` of the range, so adding or removing other images
+    never moves it from one split to the other (`stratified_split` reshuffles a class when its count changes, and a model
+    trained on the old split would then be scored on images it trained on). As with `stratified_split`, a class's only
+    image trains, and a class of two or more has at least one image in each split; only these adjustments can move an
+    image, in a class of a handful of images."""
+    import hashlib
+
+    labels = np.asarray(labels)
+    if len(keys) != len(labels):
+        raise ValueError(f"{len(keys)} keys for {len(labels)} labels")
+    draw = np.array([int.from_bytes(hashlib.sha256(f"{seed}|{k}".encode()).digest()[:8], "big") / 2.0**64 for k in keys])
+    held = draw < fraction if fraction > 0 else np.zeros(len(keys), dtype=bool)
+    if fraction > 0:
+        for c in np.unique(labels):
+            idx = np.flatnonzero(labels == c)
+            if len(idx) < 2:  # a class's only image trains
+                held[idx] = False
+                continue
+            if not held[idx].any():
+                held[idx[np.argmin(draw[idx])]] = True
+            if held[idx].all():
+                held[idx[np.argmax(draw[idx])]] = False
+    return np.flatnonzero(~held).astype(np.int64), np.flatnonzero(held).astype(np.int64)
+
+
 def relabel(labels: np.ndarray, source_classes: Sequence[str], target_classes: Sequence[str]) -> np.ndarray:
     """Labels indexing ``source_classes`` -> the same names' indices in ``target_classes`` (names must all exist there)."""
     index = {c: i for i, c in enumerate(target_classes)}

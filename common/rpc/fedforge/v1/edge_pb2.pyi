@@ -194,10 +194,12 @@ class EvaluateReply(_message.Message):
     def __init__(self, factory_id: _Optional[str] = ..., num_examples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., confusion: _Optional[_Union[Tensor, _Mapping]] = ..., masked: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
-    __slots__ = ("config",)
+    __slots__ = ("config", "run_id")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     config: _struct_pb2.Struct
-    def __init__(self, config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    run_id: str
+    def __init__(self, config: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class DescribeReply(_message.Message):
     __slots__ = ("factory_id", "architecture", "fits", "reason", "data_source", "class_counts", "dp", "personalizes")
