@@ -191,7 +191,8 @@ def test_own_image_folders_with_other_classes_missing_ones_and_an_ok_only_factor
     assert not central & {p.resolve() for p in (root / "plant-a" / "train").rglob("*")} and "accuracy" in versions[-1].metrics
     final = registry.latest_evaluation(versions[-1].id)
     assert final.phase == "final" and final.factories == 3 and final.classes == classes
-    assert final.examples == 4 + 3 + 2  # every factory's stratified held-out split: 10% of each class folder, at least one
+    # every factory's held-out split (drawn by path, `keyed_split`): about 10% of 36 + 27 + 15 images, at least one per class
+    assert 4 + 3 + 1 <= final.examples <= 14
     assert final.figures["escape-rate"] is not None and final.figures["recall"]["dent"] is not None  # "Good" is the good parts
 
 
