@@ -25,7 +25,8 @@ def agent_options(f):  # type: ignore[no-untyped-def]
         factory_id_option,
         click.option("--agent-listen", default="127.0.0.1:50061", help="Where the agent serves its training control plane (Train, SecAgg, "
                      "Evaluate, Proxy) to the SuperNode: a loopback host:port or unix:/path, never the network."),
-        click.option("--data", default="synthetic", help="'synthetic' or an image folder with one sub-folder per class (any format Pillow reads)."),
+        click.option("--data", default="synthetic", help="'synthetic' or an image folder with one sub-folder per class (any format Pillow reads); "
+                     "indexed again when a run starts, so images copied in are trained on from the next run."),
         click.option("--classes", default=DEFAULT_CLASSES, help="Comma-separated class names this factory's folders may be named after "
                      "(the federation's class list); an unknown folder name is refused at start."),
         click.option("--class-alias", "class_alias", multiple=True, help="FOLDER=CLASS: a folder that holds a class under another name, "
