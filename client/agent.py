@@ -67,8 +67,11 @@ class EdgeAgentServicer(edge_pb2_grpc.EdgeAgentServicer):
         the images stay as they were at its first message, which keeps a round's DP accounting and split fixed."""
         if not run_id or run_id == self._data_run:
             return
-        self.trainer.refresh_data()  # cheap when nothing changed: a walk of the folder and a stat of each file
+        change = self.trainer.refresh_data()  # cheap when nothing changed: a walk of the folder and a stat of each file
         self._data_run = run_id
+        data = self.trainer.data
+        log.info("run %s: factory %s trains on %d image files from %s (%s)", run_id, self.trainer.cfg.factory_id, sum(data.counts().values()),
+                 data.source.description, f"the folder changed: {change}" if change else "as indexed before")
 
     def Train(self, request: edge_pb2.TrainRequest, context: grpc.ServicerContext) -> edge_pb2.TrainReply:
         arrived = time.monotonic()

@@ -128,20 +128,17 @@ class FactoryTrainer:
                  ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
                  "; each is decoded when a run first asks for its size, and unreadable ones are then skipped by name" if self.data.source.kind == "folder" else "")
 
-    def refresh_data(self) -> bool:
+    def refresh_data(self) -> str:
         """Index the factory's folder again (a new run begins): images copied in, removed or rewritten since are used from
         now on, without restarting the agent; what was derived from the old images (decoded split, features in memory, the
         head trained on them alone) is dropped. Features cached on disk are keyed by content, so only new images cost a
-        pass through the backbone. Whether anything changed."""
+        pass through the backbone. What changed ("" if nothing did)."""
         change = self.data.refresh()
-        if not change:
-            return False
-        with self._alone_lock:
-            self._alone_heads.clear()
-        self._feature_sets = {}
-        log.info("factory %s: data folder %s changed: %s; this run trains on the images there now", self.cfg.factory_id,
-                 self.data.source.description, change)
-        return True
+        if change:
+            with self._alone_lock:
+                self._alone_heads.clear()
+            self._feature_sets = {}
+        return change
 
     # what the server learns when it first meets this factory ------------------------------------
     def describe(self, config: dict[str, Any]) -> dict[str, Any]:

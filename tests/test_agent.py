@@ -142,7 +142,8 @@ def test_images_copied_into_the_folder_are_trained_on_from_the_next_run(tmp_path
         assert again.num_examples == first.num_examples  # the same run: the same images
         assert stub.Describe(edge_pb2.DescribeRequest(config=config, run_id="run-2")).fits
         assert stub.Health(edge_pb2.HealthRequest()).num_examples == 65
-        assert "data folder" in caplog.text and "65 image files (were 50; dent 20 -> 35)" in caplog.text
+        assert "run run-2: factory line-1 trains on 65 image files" in caplog.text
+        assert "the folder changed: 65 image files (were 50; dent 20 -> 35)" in caplog.text
         second = stub.Train(edge_pb2.TrainRequest(run_id="run-2", server_round=1, weights=weights, config=config))
         held_after, split = held_out_files()
         assert second.num_examples == len(split.train) > first.num_examples and held_before <= held_after

@@ -193,6 +193,10 @@ def test_own_image_folders_with_other_classes_missing_ones_and_an_ok_only_factor
     assert final.phase == "final" and final.factories == 3 and final.classes == classes
     # every factory's held-out split (drawn by path, `keyed_split`): about 10% of 36 + 27 + 15 images, at least one per class
     assert 4 + 3 + 1 <= final.examples <= 14
+    flower_run = summary["run_id"].removeprefix("run-")  # each agent learnt the run's id from its first message and indexed its folder
+    for factory, images in (("factory-0", 36), ("factory-1", 27), ("factory-2", 15)):
+        agent_log = (tmp_path / "demo" / "logs" / f"{factory}.log").read_text()
+        assert f"run {flower_run}: factory {factory} trains on {images} image files" in agent_log, agent_log[-2000:]
     assert final.figures["escape-rate"] is not None and final.figures["recall"]["dent"] is not None  # "Good" is the good parts
 
 
