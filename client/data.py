@@ -202,7 +202,7 @@ class FactoryData:
         indexed before stay in use: a round is never lost to an operator's half-finished copy."""
         try:
             fresh = self.source.reindexed()
-        except DatasetError as exc:
+        except (DatasetError, OSError) as exc:  # OSError: a share that went away, a folder it may no longer read
             log.warning("data folder %s changed but cannot be indexed again, so the images indexed before are used: %s", self.source.description, exc)
             return ""
         if fresh.version == self.source.version:

@@ -12,6 +12,7 @@ mixes every factory's appearance, so it measures the federation, not one site.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,8 +138,6 @@ def keyed_split(keys: Sequence[str], labels: np.ndarray, fraction: float, seed: 
     trained on the old split would then be scored on images it trained on). As with `stratified_split`, a class's only
     image trains, and a class of two or more has at least one image in each split; only these adjustments can move an
     image, in a class of a handful of images."""
-    import hashlib
-
     labels = np.asarray(labels)
     if len(keys) != len(labels):
         raise ValueError(f"{len(keys)} keys for {len(labels)} labels")
