@@ -96,7 +96,7 @@ from common.data.folder import load_unlabelled_folder
 from common.data.layout import FolderFederation as Folders
 from common.distill import ProxySet
 from common.features import FeatureCache, array_keys, features_of
-from common.models import build_model, federated_part, is_pretrained, load_weights, weights_of
+from common.models import build_model, federated_part, is_pretrained, load_weights, natural_image_size, weights_of
 from common.training import TrainConfig, evaluate, predict_logits, prior_adjustment, set_torch_threads, train
 from server.aggregate import FactoryUpdate, fedavg
 from server.cli import parse_overrides
@@ -341,7 +341,8 @@ def main() -> None:
                    help="with --folders: a folder that holds a class under another name, at any factory or test folder (repeatable)")
     p.add_argument("--channels", default="auto", choices=("auto", "1", "3"), help="with --folders: 1 reads every image as grey, 3 as RGB (the run's "
                    "channels); auto (the default) 3 if any factory's training images are in colour (common.data.layout), else 1")
-    p.add_argument("--image-size", type=int, default=0, help="with --folders: the run's image-size (default: the run config's)")
+    p.add_argument("--image-size", type=int, default=0, help="the run's image-size (default: the run config's); the built-in generator "
+                   "draws its images at that size")
     p.add_argument("--bit-depth", type=int, default=16, choices=range(8, 17), metavar="{8..16}",
                    help="with --folders: significant bits of their 16-bit grey images (12: Mono12 written as 0..4095), at every site")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -356,9 +357,8 @@ def main() -> None:
         p.error(exc.format_message())
     except ValueError as exc:
         p.error(str(exc))
-    if (a.channels != "auto" or a.image_size or a.class_alias or a.bit_depth != 16) and not a.folders:
-        p.error("--channels, --image-size, --bit-depth and --class-alias apply to --folders (the built-in generator draws grey images of its own "
-                "classes at the run's default size)")
+    if (a.channels != "auto" or a.class_alias or a.bit_depth != 16) and not a.folders:
+        p.error("--channels, --bit-depth and --class-alias apply to --folders (the built-in generator draws grey 8-bit images of its own classes)")
     set_torch_threads(a.threads)
     # a temporary working directory (its feature caches hold hundreds of MB) goes when the bench ends, however it ends
     with contextlib.nullcontext(a.workdir) if a.workdir else tempfile.TemporaryDirectory(prefix="fedforge-quality-", ignore_cleanup_errors=True) as workdir:
@@ -372,7 +372,7 @@ def main() -> None:
                 if line:
                     print(f"--folders {a.folders}: {line}", flush=True)
             a.settings = "folders"
-            size = a.image_size or FederationConfig.image_size
+            size = a.image_size or FederationConfig().image_size
             central = f"{folders.central_test.name}/" if folders.central_test else "every factory's test images"
             proxy = f"{folders.proxy.name}/" if folders.proxy else "none"
             print(f"{len(folders.factories)} factories from {a.folders}, classes {list(folders.classes)}, read as "
@@ -393,7 +393,8 @@ def run_all(a: argparse.Namespace, recipes: dict[str, Recipe], overrides: dict[s
             recipe = recipes[key]
             for seed in map(int, a.seeds.split(",")):
                 t0 = time.perf_counter()
-                bench = Bench(seed, factories, alpha, a.train_size, workdir, key, folders=folders, channels=a.channels, image_size=a.image_size,
+                image_size = a.image_size or natural_image_size(recipe.architecture)  # what the run config's default gives it
+                bench = Bench(seed, factories, alpha, a.train_size, workdir, key, folders=folders, channels=a.channels, image_size=image_size,
                               bit_depth=a.bit_depth)
                 fed, base = bench.federate(recipe), bench.pooled_and_local(recipe)
                 row = {"setting": setting, "recipe": recipe.name, "seed": seed, **fed, **base, "seconds": time.perf_counter() - t0,
@@ -401,7 +402,7 @@ def run_all(a: argparse.Namespace, recipes: dict[str, Recipe], overrides: dict[s
                 if a.dp and key == a.recipes.split(",")[0]:
                     dp_recipe = replace(recipe, name=recipe.name + " DP", rounds=a.dp_rounds or (SECURE_SUM_DP_ROUNDS if a.dp_secure_sum else recipe.rounds))
                     dp_bench = Bench(seed, factories, alpha, a.train_size, workdir, key, dp_epsilon=8.0, rounds=dp_recipe.rounds, folders=folders,
-                                     public=not a.no_public, secure_sum=a.dp_secure_sum, channels=a.channels, image_size=a.image_size, bit_depth=a.bit_depth,
+                                     public=not a.no_public, secure_sum=a.dp_secure_sum, channels=a.channels, image_size=image_size, bit_depth=a.bit_depth,
                                      max_grad_norm=a.dp_max_grad_norm)
                     row["dp_public_images"] = len(dp_bench.public) if dp_bench.public is not None else 0
                     row["dp_rounds"], row["dp_noise_holders"] = dp_recipe.rounds, dp_bench.noise_holders

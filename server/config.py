@@ -24,6 +24,7 @@ from common.backbones import feature_device
 from common.data.classes import DEFAULT_CLASSES, format_classes, parse_classes
 from common.data.datasets import SyntheticSpec
 from common.evaluation import DEFAULT_GOOD_CLASS
+from common.models import natural_image_size
 from common.simulation import RUN_CONFIG_DEFAULTS as SIMULATION_KEYS
 from common.training import TrainConfig, coerce
 
@@ -50,7 +51,7 @@ class FederationConfig:
     seed: int = 0  # model initialisation and local-training seeds
     # The data contract every factory and the server share.
     classes: str = format_classes(DEFAULT_CLASSES)  # ordered class names; a label is a position in this list
-    image_size: int = 64  # images are letterboxed to image_size x image_size (common.data.images)
+    image_size: int = 0  # images are letterboxed to image_size x image_size (common.data.images); 0: the architecture's (natural_image_size)
     channels: int = 1  # 1: grey, 3: RGB
     good_class: str = DEFAULT_GOOD_CLASS  # the class that is not a defect (escape and false-reject rates)
     # The generated federation (demo, tests) and the central test set.
@@ -115,6 +116,8 @@ class FederationConfig:
         feature_device(self.feature_device, option="run-config key feature-device")
         if self.channels not in (1, 3):
             raise ValueError(f"channels must be 1 (grey) or 3 (RGB), got {self.channels}")
+        if self.image_size == 0:  # the default: 128 px for the pretrained family, 64 for cnn-*
+            object.__setattr__(self, "image_size", natural_image_size(self.architecture))
         if not 8 <= self.image_size <= 1024:
             raise ValueError(f"image-size must be between 8 and 1024, got {self.image_size}")
         if not 8 <= self.data_bit_depth <= 16:

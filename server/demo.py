@@ -74,7 +74,7 @@ def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str
          overrides: tuple[str, ...]) -> None:
     """Run a local demo federation over real Flower processes on 127.0.0.1."""
     archs = [a.strip() for a in architectures.split(",") if a.strip()]
-    from common.models import ARCHITECTURES
+    from common.models import ARCHITECTURES, natural_image_size
     from common.training import TrainConfig
     from server.config import SECURE_SUM_DP_ROUNDS, FederationConfig
 
@@ -108,6 +108,9 @@ def demo(factories: int, rounds: int, local_epochs: int, seed: int, workdir: str
         factories, own_config, factory_args = own_folders(Path(folders), root, chosen, class_alias, dp)
         run_config |= own_config
     run_config |= chosen
+    # one image size for every factory's model: the smallest of their architectures' own (a CNN factory is not made to
+    # train on the pretrained backbone's 128 px)
+    run_config.setdefault("image-size", natural_image_size(architecture, *archs))
     with ProcessSet(root / "logs") as procs:
         flags = ["--dp", "--dp-epsilon", str(epsilon), "--dp-planned-rounds", str(rounds), "--dp-max-grad-norm", str(dp_max_grad_norm)] if dp else []
         flags += ["--dp-secure-sum"] if dp_secure_sum else []

@@ -29,7 +29,10 @@ def test_every_training_option_is_reachable_from_the_run_config():
     assert cfg.num_server_rounds == 5
     assert {k: cfg.training.to_run_config()[k] for k in run} == run
     sent = cfg.train_config(1, "cnn-small")
-    assert {k: sent[k] for k in run} == run and sent["classes"] == cfg.classes and sent["image-size"] == 64
+    assert {k: sent[k] for k in run} == run and sent["classes"] == cfg.classes
+    # the image size, unless set: the pretrained backbone's input (128 px, the default architecture's), 64 px for a CNN
+    assert sent["image-size"] == 128 and FederationConfig.from_run_config({"architecture": "cnn-small"}).image_size == 64
+    assert FederationConfig.from_run_config({"image-size": 96}).image_size == 96
     # lr-schedule = cosine (the default): round 1 trains at lr, the last round at lr / 10, smoothly in between
     lrs = [cfg.train_config(r, "cnn-small")["lr"] for r in range(1, cfg.num_server_rounds + 1)]
     assert lrs[0] == 0.01 and lrs[-1] == pytest.approx(0.001) and all(a > b for a, b in itertools.pairwise(lrs))

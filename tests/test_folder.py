@@ -296,7 +296,7 @@ def test_the_quality_bench_compares_on_your_own_folders(tmp_path):
                           "--workdir", str(tmp_path / "work"), "--threads", "1", "--dp"], capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "2 factories from" in run.stdout and "['bolt', 'nut', 'washer']" in run.stdout  # proxy/ is no factory
-    assert "read as grey at 64 px" in run.stdout  # --channels auto: grey images
+    assert "read as grey at 128 px" in run.stdout  # --channels auto: grey images; the default recipe's backbone input size
     assert '"dp_public_images": 20' in run.stdout
     row = next(line for line in run.stdout.splitlines() if line.startswith("| folders |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
