@@ -70,7 +70,7 @@ def test_operator_proxy_folder_skips_unreadable_images_by_name(tmp_path):
     images, report = load_unlabelled_folder(tmp_path)
     assert images.shape == (3, 1, 64, 64) and images.dtype == np.float32
     assert [p for p, _ in report.skipped] == [str(tmp_path / "truncated.png")]
-    proxy = load_proxy(FederationConfig(proxy_data=str(tmp_path), proxy_size=0))  # the folder wins over the generator
+    proxy = load_proxy(FederationConfig(proxy_data=str(tmp_path), proxy_size=0, image_size=64))  # the folder wins over the generator
     assert len(proxy) == 3 and proxy.sha256 == ProxySet(images).sha256
     (tmp_path / "empty").mkdir()
     with pytest.raises(DatasetError, match="no readable images"):
