@@ -35,7 +35,8 @@ class ExportReport:
     skipped: list[str]
 
 
-def _input_of(version: Any) -> tuple[tuple[str, ...], int, int]:
+def input_of(version: Any) -> tuple[tuple[str, ...], int, int]:
+    """The classes, image size and channels a version was trained for (versions from before they were recorded: the built-in ones)."""
     spec = version.model_input or {}
     return tuple(spec.get("classes") or synth.CLASSES), int(spec.get("image_size") or synth.DEFAULT_SIZE), int(spec.get("channels") or 1)
 
@@ -52,7 +53,7 @@ def export_version(registry: Registry, version_id: str, out_dir: str | Path, qua
         raise KeyError(f"no version {version_id!r} in the registry")
     if version.status != "approved":
         raise PermissionError(f"version {version_id} is {version.status}; only approved versions are exported for deployment")
-    classes, size, channels = _input_of(version)
+    classes, size, channels = input_of(version)
     model = build_model(version.architecture, num_classes=len(classes), in_channels=channels)
     load_weights(model, registry.load_weights(version_id))
     model.eval()

@@ -174,13 +174,14 @@ def models_rollback(version_id: str, registry_dir: str, actor: str | None, relea
 def models_export(version_id: str, registry_dir: str, out_dir: str, quantize: bool, test_data: str | None, bit_depth: int) -> None:
     """Export an approved version (TorchScript, ONNX when installed), reporting the accuracy delta."""
     from common.data.folder import load_image_folder
-    from server.export import export_version
+    from server.export import export_version, input_of
 
     reg = _registry(registry_dir)
     version = reg.get_version(version_id)
-    spec = (version.model_input if version is not None else None) or {}
-    data = (load_image_folder(test_data, int(spec.get("image_size", 64)), spec.get("classes"), int(spec.get("channels", 1)), bit_depth=bit_depth)[0]
-            if test_data else None)
+    data = None
+    if test_data and version is not None:  # an unknown version is reported by export_version
+        classes, size, channels = input_of(version)
+        data = load_image_folder(test_data, size, classes, channels, bit_depth=bit_depth)[0]
     try:
         report = export_version(reg, version_id, out_dir, quantize=quantize, test_data=data)
     except (KeyError, PermissionError) as exc:

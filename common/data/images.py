@@ -14,8 +14,8 @@ and an inspection station's request are resized the same way:
   ``I`` with values within 0..65535) by 65535, float (``F``) taken as it is when within [0, 1]. Pillow's own
   ``convert("L")`` clips such pixels at 255, which turns a 16-bit image white; values outside those ranges are
   refused naming the file, never guessed. A camera that writes 12 significant bits into the low bits of a 16-bit
-  container (Mono12 as 0..4095) sets ``bit_depth`` 12 (``fedforge client --bit-depth 12``, the run's ``bit-depth`` for
-  the central site's folders): its images are then scaled by 4095, and a pixel above it is refused. Left at 16, such
+  container (Mono12 as 0..4095) sets ``bit_depth`` 12 (``fedforge client --bit-depth 12``, the run's ``data-bit-depth``
+  for the central site's folders): its images are then scaled by 4095, and a pixel above it is refused. Left at 16, such
   images read dark (0..0.06), which cost 10 points of global accuracy on a held-out data set (docs/benchmarks.md).
 - **Large JPEGs** are decoded at a reduced scale (`JPEG_DRAFT`, in the DCT domain: 1/2, 1/4 or 1/8), never below
   twice ``size`` on either side, then resized as above: a 6-megapixel photograph decodes about 5x faster
