@@ -23,6 +23,7 @@ from typing import Any
 from common.backbones import feature_device
 from common.data.classes import DEFAULT_CLASSES, format_classes, parse_classes
 from common.data.datasets import SyntheticSpec
+from common.data.images import check_bit_depth
 from common.evaluation import DEFAULT_GOOD_CLASS
 from common.models import natural_image_size
 from common.simulation import RUN_CONFIG_DEFAULTS as SIMULATION_KEYS
@@ -120,8 +121,10 @@ class FederationConfig:
             object.__setattr__(self, "image_size", natural_image_size(self.architecture))
         if not 8 <= self.image_size <= 1024:
             raise ValueError(f"image-size must be between 8 and 1024, got {self.image_size}")
-        if not 8 <= self.data_bit_depth <= 16:
-            raise ValueError(f"data-bit-depth must be from 8 to 16, got {self.data_bit_depth}")
+        try:
+            check_bit_depth(self.data_bit_depth)  # the rule every reader of the images applies
+        except ValueError as exc:
+            raise ValueError(f"run-config key data-bit-depth: {exc}") from None
 
     @classmethod
     def server_keys(cls) -> dict[str, Any]:

@@ -231,7 +231,7 @@ def test_a_twelve_bit_camera_reads_as_its_eight_bit_copy_with_bit_depth_12(tmp_p
         read_image(tmp_path / "bright.png", 32, bit_depth=12)
     with pytest.raises(ValueError, match="bit-depth must be an integer from 8 to 16"):
         AgentConfig(factory_id="plant-a", bit_depth=17)
-    with pytest.raises(ValueError, match="data-bit-depth must be from 8 to 16"):
+    with pytest.raises(ValueError, match="data-bit-depth: bit-depth must be an integer from 8 to 16"):
         FederationConfig(data_bit_depth=7)
     *_, flags = own_folders(tmp_path, tmp_path.parent / "demo", {"data-bit-depth": 12})
     assert flags[0][-2:] == ["--bit-depth", "12"]
