@@ -143,7 +143,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Dat
     from opacus import PrivacyEngine
 
     model.train()  # Opacus validates the module in training mode
-    engine = PrivacyEngine(accountant="rdp")
+    engine = PrivacyEngine(accountant="rdp")  # its accountant is never read: the ledger accounts (client.privacy.epsilon_of)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*[Ss]ecure.*")
         warnings.filterwarnings("ignore", message=".*Optimal order.*")
