@@ -372,7 +372,8 @@ def main() -> None:
                 if line:
                     print(f"--folders {a.folders}: {line}", flush=True)
             a.settings = "folders"
-            size = a.image_size or FederationConfig().image_size
+            sizes = sorted({image_size_of(a, recipes[key]) for key in a.recipes.split(",")})
+            size = " / ".join(map(str, sizes))
             central = f"{folders.central_test.name}/" if folders.central_test else "every factory's test images"
             proxy = f"{folders.proxy.name}/" if folders.proxy else "none"
             print(f"{len(folders.factories)} factories from {a.folders}, classes {list(folders.classes)}, read as "
@@ -384,6 +385,12 @@ def main() -> None:
     print_tables(a, rows, overrides)
 
 
+def image_size_of(a: argparse.Namespace, recipe: Recipe) -> int:
+    """The image size a recipe's runs read at: ``--image-size``, else what the run config's default (0) gives its
+    architecture (`common.models.natural_image_size`)."""
+    return a.image_size or natural_image_size(recipe.architecture)
+
+
 def run_all(a: argparse.Namespace, recipes: dict[str, Recipe], overrides: dict[str, object], folders: Folders | None, workdir: Path) -> list[dict]:
     """Every setting x recipe x seed of the command line, one JSON line each as it finishes."""
     rows = []
@@ -393,7 +400,7 @@ def run_all(a: argparse.Namespace, recipes: dict[str, Recipe], overrides: dict[s
             recipe = recipes[key]
             for seed in map(int, a.seeds.split(",")):
                 t0 = time.perf_counter()
-                image_size = a.image_size or natural_image_size(recipe.architecture)  # what the run config's default gives it
+                image_size = image_size_of(a, recipe)
                 bench = Bench(seed, factories, alpha, a.train_size, workdir, key, folders=folders, channels=a.channels, image_size=image_size,
                               bit_depth=a.bit_depth)
                 fed, base = bench.federate(recipe), bench.pooled_and_local(recipe)
