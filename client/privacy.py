@@ -117,10 +117,15 @@ def epsilon_of(history: list[tuple[float, float, int]], delta: float) -> float:
     """
     if not history:
         return 0.0
-    if all(rate == 1.0 for _, rate, _ in history):
+    if full_batch(history):
         return gaussian_epsilon(gaussian_mu(history), delta)
     rdp = _rdp_epsilon(history, delta)
     return min(rdp, _prv_epsilon(history, delta, eps_error=max(0.01, PRV_RELATIVE_ERROR * rdp)))
+
+
+def full_batch(history: list[tuple[float, float, int]] | tuple[tuple[float, float, int], ...]) -> bool:
+    """Every release in ``history`` has sample rate 1: Gaussian releases that `gaussian_mu` composes exactly."""
+    return all(rate == 1.0 for _, rate, _ in history)
 
 
 def _merged(history: list[tuple[float, float, int]]) -> list[tuple[float, float, int]]:
@@ -206,10 +211,11 @@ def noise_for_budget(epsilon_max: float, delta: float, sample_rate: float, total
             f"(delta {delta}){' beside the class-count release' if reserved else ''}: {why} The round is refused and nothing is sent; "
             f"raise --dp-epsilon or lower --dp-planned-rounds or the local epochs.")
 
-    if sample_rate == 1.0 and all(rate == 1.0 for _, rate, _ in reserved):  # exact: the mus add in quadrature
+    reserved_spend = epsilon_of(list(reserved), delta)
+    if full_batch([(0.0, sample_rate, total_steps), *reserved]):  # exact: the mus add in quadrature
         room = gaussian_mu_for(epsilon_max, delta) ** 2 - gaussian_mu(list(reserved)) ** 2
         if room <= 0:
-            raise refused(f"the class-count release alone spends {epsilon_of(list(reserved), delta):.3f}.")
+            raise refused(f"the class-count release alone spends {reserved_spend:.3f}.")
         noise = math.sqrt(total_steps / room)
         while epsilon_of([(noise, 1.0, total_steps), *reserved], delta) > epsilon_max:  # root-finding tolerance: never over
             noise *= 1 + 1e-6
@@ -218,8 +224,8 @@ def noise_for_budget(epsilon_max: float, delta: float, sample_rate: float, total
         start = float(get_noise_multiplier(target_epsilon=epsilon_max, target_delta=delta, sample_rate=sample_rate, steps=total_steps, accountant="rdp"))
     except ValueError as exc:
         raise refused(str(exc)) from exc
-    if reserved and epsilon_of(list(reserved), delta) >= epsilon_max:
-        raise refused(f"the class-count release alone spends {epsilon_of(list(reserved), delta):.3f}.")
+    if reserved and reserved_spend >= epsilon_max:
+        raise refused(f"the class-count release alone spends {reserved_spend:.3f}.")
 
     def fits(noise: float) -> bool:
         return epsilon_of([(noise, sample_rate, total_steps), *reserved], delta) <= epsilon_max
