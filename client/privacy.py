@@ -235,10 +235,30 @@ def noise_for_budget(epsilon_max: float, delta: float, sample_rate: float, total
         high *= 1.25
         if high > 1e6:
             raise refused("the reserved releases leave no room for any step.")
-    low = high / 1.25
+    low = high * FIRST_BRACKET  # the tighter bounds need about 6% less noise than RDP's (docs/benchmarks.md)
     while fits(low):
         high, low = low, low / 1.25
-    while high - low > 1e-3 * high:  # bisection: the smallest noise (to 0.1%) at which everything fits
+    return _smallest_fitting(fits, lambda noise: epsilon_of([(noise, sample_rate, total_steps), *reserved], delta) - epsilon_max, low, high)
+
+
+FIRST_BRACKET = 0.9  # the lower end of the first bracket, relative to RDP's noise: PRV's was 0.940-0.944 of it in every plan measured
+
+
+def _smallest_fitting(fits: Callable[[float], bool], excess: Callable[[float], float], low: float, high: float) -> float:
+    """The smallest noise in (low, high] to 0.1% at which ``fits``, given that ``low`` does not fit and ``high`` does.
+
+    Brent's method on the spend's excess over the budget finds the root in a few accountant calls where bisection needed
+    eight (each PRV call takes 0.2 to 1 s). The answer is always a noise checked with ``fits``, so the plan never
+    overspends: just above Brent's root if that fits, else bisection's."""
+    from scipy.optimize import brentq
+
+    try:
+        above_root = float(brentq(excess, low, high, xtol=1e-4 * low, maxiter=20)) * (1 + 2e-4)
+    except (ValueError, RuntimeError):  # no sign change it can use (an infinite spend): bisection alone
+        above_root = high
+    if low < above_root < high and fits(above_root):
+        return above_root
+    while high - low > 1e-3 * high:
         middle = (low + high) / 2
         low, high = (low, middle) if fits(middle) else (middle, high)
     return high

@@ -403,6 +403,26 @@ def test_full_batch_releases_are_accounted_exactly_and_never_above_the_rdp_bound
         noise_for_budget(0.5, 1e-5, 1.0, 30, PrivacyBudget(epsilon_max=0.5, delta=1e-5, count_noise=0.5).reserved)
 
 
+def test_the_noise_plan_is_the_smallest_noise_that_fits_to_a_tenth_of_a_percent():
+    budget = PrivacyBudget(epsilon_max=8.0, delta=1e-5)
+    for rate, steps in ((0.5, 80), (0.05, 800)):
+        planned = noise_for_budget(8.0, 1e-5, rate, steps, budget.reserved)
+        assert epsilon_of([(planned, rate, steps), *budget.reserved], 1e-5) <= 8.0
+        assert epsilon_of([(planned * 0.999, rate, steps), *budget.reserved], 1e-5) > 8.0
+
+
+def test_the_plans_search_falls_back_to_bisection_and_never_returns_a_noise_that_does_not_fit():
+    from client.privacy import _smallest_fitting
+
+    def nowhere_finite(noise: float) -> float:  # an accountant outside its domain: no sign change a root-finder can use
+        return math.inf
+
+    assert _smallest_fitting(lambda noise: noise >= 1.2345, nowhere_finite, 1.0, 2.0) == pytest.approx(1.2345, rel=1e-3)
+    assert _smallest_fitting(lambda noise: noise >= 1.2345, nowhere_finite, 1.0, 2.0) >= 1.2345
+    # a root-finder misled by an excess that disagrees with the check: the checked bracket still decides
+    assert _smallest_fitting(lambda noise: noise >= 1.5, lambda noise: noise - 1.2, 1.0, 2.0) >= 1.5
+
+
 def test_the_noise_plan_keeps_room_for_the_class_count_release():
     budget = PrivacyBudget(epsilon_max=8.0, delta=1e-5)
     rate, steps = 0.25, 40
