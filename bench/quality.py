@@ -368,7 +368,7 @@ def main() -> None:
             p.error(f"--folders: {exc}")
         a.channels = 1 if folders is None else folders.channels() if a.channels == "auto" else int(a.channels)
         if folders:
-            for line in (folders.describe_split(), folders.case_clashes()):
+            for line in (folders.describe_split(), folders.describe_ignored(), folders.case_clashes()):
                 if line:
                     print(f"--folders {a.folders}: {line}", flush=True)
             a.settings = "folders"

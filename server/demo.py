@@ -162,7 +162,7 @@ def own_folders(path: Path, root: Path, chosen: dict[str, Any], aliases: tuple[s
     except ValueError as exc:  # DatasetError, ClassListError: the message names the folder or the alias
         raise click.BadParameter(str(exc), param_hint="--folders") from None
     no_public = layout.no_public_images() if dp and "proxy-data" not in chosen else ""
-    for line in (layout.describe_split(), layout.case_clashes(), no_public):
+    for line in (layout.describe_split(), layout.describe_ignored(), layout.case_clashes(), no_public):
         if line:
             console.print(f"  --folders: {line}")
     classes = format_classes(layout.classes)

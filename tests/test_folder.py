@@ -469,8 +469,11 @@ def test_a_root_split_first_holds_the_factories_inside_its_train_and_test_folder
     for factory in ("plant-a", "plant-b"):
         _write(tmp_path / "test" / factory / "nut" / "0.png")
     _write(tmp_path / "unlabeled" / "0.png")
+    _write(tmp_path / "central" / "washer" / "0.png")  # not a name of the central test set: said to be unread, never dropped silently
     folders = FolderFederation.at(tmp_path, split_dir=tmp_path.parent / "split")
     assert [d.name for d in folders.factories] == ["plant-a", "plant-b", "plant-c"] and folders.central_test is None
+    assert folders.ignored == ("central",) and re.search(r"\['central'\] not read.*central test set \(test_set/, central_test/.*rename",
+                                                          folders.describe_ignored())
     assert folders.trains[:2] == (tmp_path / "Train" / "plant-a", tmp_path / "Train" / "plant-b")
     assert folders.tests[:2] == (tmp_path / "test" / "plant-a", tmp_path / "test" / "plant-b")
     assert folders.split == ("plant-c",) and len(list((tmp_path.parent / "split" / "plant-c" / "test" / "bolt").iterdir())) == 1
@@ -478,7 +481,7 @@ def test_a_root_split_first_holds_the_factories_inside_its_train_and_test_folder
     (tmp_path / "test").rename(tmp_path / "val")
     _write(tmp_path / "test" / "washer" / "0.png")
     both = FolderFederation.at(tmp_path, split_dir=tmp_path.parent / "split")
-    assert both.central_test == tmp_path / "test" and both.tests[0] == tmp_path / "val" / "plant-a"
+    assert both.central_test == tmp_path / "test" and both.tests[0] == tmp_path / "val" / "plant-a" and both.ignored == ("central",)
     assert both.classes == ("bolt", "nut", "washer")
     _write(tmp_path / "val" / "plant-z" / "nut" / "0.png")
     with pytest.raises(DatasetError, match=r"\['plant-z'\] have no training folder in .*Train"):
@@ -489,6 +492,7 @@ def test_a_root_split_first_holds_the_factories_inside_its_train_and_test_folder
         _write(usual / "plant-b" / "train" / "bolt" / f"{i}.png")
     _write(usual / "plant-b" / "test" / "nut" / "0.png")
     one = FolderFederation.at(usual, split_dir=tmp_path.parent / "split-usual")
+    assert one.describe_ignored() == ""  # in the usual layout every other folder is a factory
     assert one.split == ("plant-a",) and one.tests[1] == usual / "plant-b" / "test"
     assert len(list(one.trains[0].glob("bolt/*"))) == 3 and len(list(one.tests[0].glob("bolt/*"))) == 1
     _write(usual / "holdout" / "nut" / "0.png")  # all of it inside one folder of ROOT (an unpacked archive): found there

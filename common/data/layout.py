@@ -17,7 +17,8 @@ or split first, the factories inside the splits (a factory without a test folder
 
     ROOT/train/<factory>/<class>/*.png   each factory's training images
     ROOT/test/<factory>/<class>/*.png    its own test images (or val/, ..., as above); beside them the central test set and
-                                         the proxy set as above (then under another name than the factories' test folder's)
+                                         the proxy set as above (then under another name than the factories' test folder's);
+                                         any other folder of ROOT is not read, and the demo and the bench name it
 
 ROOT may also hold one folder that holds all of this (an archive unpacked into ROOT). Folders starting with ``.`` are never
 read. ROOT's folder names are compared ignoring case, ``-``, ``_`` and spaces
@@ -73,6 +74,7 @@ class FolderFederation:
     split: tuple[str, ...] = ()  # the factories split here (no train/test folders of their own)
     split_root: Path | None = None  # where their split lives (links to their images)
     aliases: Mapping[str, str] = field(default_factory=dict)  # folder name -> class name, for every factory and test folder
+    ignored: tuple[str, ...] = ()  # ROOT's folders that a split-first layout does not read (`describe_ignored`)
 
     @classmethod
     def at(cls, root: str | Path, classes: str = "", split_dir: str | Path | None = None,
@@ -88,8 +90,10 @@ class FolderFederation:
             return cls.at(inner, classes, split_dir, aliases)
         central = _reserved(root, "central test set", CENTRAL_TEST_NAMES, skip=splits)
         proxy = _reserved(root, "proxy set", PROXY_NAMES, skip=splits)
+        ignored: tuple[str, ...] = ()
         if splits:
             factories, pairs = _factories_in_splits(*splits)
+            ignored = tuple(d.name for d in _folders(root) if d not in (*splits, central, proxy) and not (work and work.is_relative_to(d.resolve())))
         else:
             factories = tuple(d for d in _folders(root) if d not in (central, proxy) and not (work and work.is_relative_to(d.resolve())))
             if len(factories) == 1 and _is_container(factories[0]):  # ROOT/factories/<factory>/train/...: one folder holding them all
@@ -117,7 +121,7 @@ class FolderFederation:
         names = {normalise_name(c.name) for part in (*trains, *tests, *([central] if central else [])) for c in _folders(part)}
         found = sorted({aliases.get(n, n) for n in names})
         return cls(factories, central, parse_classes(classes or found), proxy, trains, tests,
-                   tuple(factories[i].name for i in unsplit), split_root, aliases)
+                   tuple(factories[i].name for i in unsplit), split_root, aliases, ignored)
 
     def alias_pairs(self) -> tuple[str, ...]:
         """The aliases as ``FOLDER=CLASS`` (`client.config.AgentConfig.class_alias`; every factory gets all of them: one
@@ -154,6 +158,16 @@ class FolderFederation:
             return ""
         return (f"{list(self.split)} have no test folders of their own: every {UNSPLIT_TEST_SHARE}th image of each class is their test set "
                 f"({self.split_root})")
+
+    def describe_ignored(self) -> str:
+        """A line naming ROOT's folders that are not read ('' if none). In a split-first layout the factories are inside its
+        train and test folders, so any other folder of ROOT is not a factory; one meant as the central test set or the proxy
+        set under another name would otherwise be dropped without a word."""
+        if not self.ignored:
+            return ""
+        return (f"{list(self.ignored)} not read: beside train/ and test/ (the factories), ROOT's folders are read only as the central "
+                f"test set ({', '.join(n + '/' for n in CENTRAL_TEST_NAMES[2:6])} ...) or the proxy set ({', '.join(n + '/' for n in PROXY_NAMES[:3])} ...); "
+                f"rename one to use it")
 
     def channels(self, sample: int = 32) -> int:
         """3 if any factory's training images are in colour, else 1: what ``--channels auto`` reads them as.
