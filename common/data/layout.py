@@ -165,7 +165,7 @@ class FolderFederation:
         set under another name would otherwise be dropped without a word."""
         if not self.ignored:
             return ""
-        return (f"{list(self.ignored)} not read: beside train/ and test/ (the factories), ROOT's folders are read only as the central "
+        return (f"{list(self.ignored)} not read: beside the train and test folders that hold the factories, ROOT's folders are read only as the central "
                 f"test set ({', '.join(n + '/' for n in CENTRAL_TEST_NAMES[2:6])} ...) or the proxy set ({', '.join(n + '/' for n in PROXY_NAMES[:3])} ...); "
                 f"rename one to use it")
 
