@@ -49,6 +49,16 @@ def test_the_subspace_is_the_top_principal_directions_scaled_and_the_same_every_
     assert fit_subspace(x[:, :3], 10, 0.0).dims == 3  # never more directions than the public images span
 
 
+def test_with_fewer_public_images_than_features_the_subspace_is_the_svds_and_spans_no_more_than_the_images():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(60, 500)) * 1.5 ** -np.arange(500)  # the usual case: a few hundred images, thousands of features
+    sub = fit_subspace(x, 8, whitening=0.5)
+    _, s, vt = np.linalg.svd(x - x.mean(0), full_matrices=False)
+    directions = vt[:8] * np.sign(vt[np.arange(8), np.abs(vt[:8]).argmax(axis=1)])[:, None]
+    np.testing.assert_allclose(sub.basis, (directions.T * (s[:8] / s[0]) ** -0.5).astype(np.float32), atol=1e-5)
+    assert fit_subspace(np.repeat(x[:20], 3, axis=0), 40, 0.5).dims == 19  # 20 distinct images, centred: 19 directions
+
+
 def test_the_public_feature_norm_is_the_median_norm_of_the_public_coordinates_with_the_bias_input():
     """What an example's gradient norm in the subspace head scales with, from the public images alone (--dp-max-grad-norm public)."""
     x = np.random.default_rng(3).normal(size=(101, 20)) * 4.0
