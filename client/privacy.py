@@ -211,13 +211,16 @@ def noise_for_budget(epsilon_max: float, delta: float, sample_rate: float, total
             f"(delta {delta}){' beside the class-count release' if reserved else ''}: {why} The round is refused and nothing is sent; "
             f"raise --dp-epsilon or lower --dp-planned-rounds or the local epochs.")
 
+    def spend(noise: float) -> float:
+        return epsilon_of([(noise, sample_rate, total_steps), *reserved], delta)
+
     reserved_spend = epsilon_of(list(reserved), delta)
     if full_batch([(0.0, sample_rate, total_steps), *reserved]):  # exact: the mus add in quadrature
         room = gaussian_mu_for(epsilon_max, delta) ** 2 - gaussian_mu(list(reserved)) ** 2
         if room <= 0:
             raise refused(f"the class-count release alone spends {reserved_spend:.3f}.")
         noise = math.sqrt(total_steps / room)
-        while epsilon_of([(noise, 1.0, total_steps), *reserved], delta) > epsilon_max:  # root-finding tolerance: never over
+        while spend(noise) > epsilon_max:  # root-finding tolerance: never over
             noise *= 1 + 1e-6
         return noise
     try:  # RDP's noise fits (epsilon_of is never above RDP); the tighter bounds may fit with less
@@ -228,7 +231,7 @@ def noise_for_budget(epsilon_max: float, delta: float, sample_rate: float, total
         raise refused(f"the class-count release alone spends {reserved_spend:.3f}.")
 
     def fits(noise: float) -> bool:
-        return epsilon_of([(noise, sample_rate, total_steps), *reserved], delta) <= epsilon_max
+        return spend(noise) <= epsilon_max
 
     high = start
     while not fits(high):  # with the reserved releases a little more noise is needed
@@ -238,7 +241,7 @@ def noise_for_budget(epsilon_max: float, delta: float, sample_rate: float, total
     low = high * FIRST_BRACKET  # the tighter bounds need about 6% less noise than RDP's (docs/benchmarks.md)
     while fits(low):
         high, low = low, low / 1.25
-    return _smallest_fitting(fits, lambda noise: epsilon_of([(noise, sample_rate, total_steps), *reserved], delta) - epsilon_max, low, high)
+    return _smallest_fitting(fits, lambda noise: spend(noise) - epsilon_max, low, high)
 
 
 FIRST_BRACKET = 0.9  # the lower end of the first bracket, relative to RDP's noise: PRV's was 0.940-0.944 of it in every plan measured

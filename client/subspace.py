@@ -81,14 +81,12 @@ def fit_subspace(features: np.ndarray, dims: int, whitening: float, source: str 
         raise SubspaceError(f"public-subspace must be >= 1 to fit a subspace, got {dims}")
     mean = x.mean(axis=0)
     s, directions = _principal_directions(x - mean, dims)
-    rank = int((s > s[0] * 1e-6).sum()) if s[0] > 0 else 0
-    k = min(dims, rank)
+    k = len(s)
     if k < 1:
         raise SubspaceError("the proxy set's features do not vary (all images alike): no subspace to train in")
-    s, directions = s[:k], directions[:k]
     signs = np.sign(directions[np.arange(k), np.abs(directions).argmax(axis=1)])
     directions = directions * signs[:, None]
-    scale = (s[:k] / s[0]) ** (-float(whitening))
+    scale = (s / s[0]) ** (-float(whitening))
     basis = (directions.T * scale[None, :]).astype(np.float32)
     coordinates = (x - mean) @ basis.astype(np.float64)
     feature_norm = float(np.median(np.sqrt((coordinates**2).sum(axis=1) + 1.0)))  # the delta's input with its bias's 1
@@ -96,7 +94,8 @@ def fit_subspace(features: np.ndarray, dims: int, whitening: float, source: str 
 
 
 def _principal_directions(centred: np.ndarray, dims: int) -> tuple[np.ndarray, np.ndarray]:
-    """The singular values of ``centred`` (N, d), largest first, and its top ``dims`` right singular vectors (rows).
+    """The top singular values of ``centred`` (N, d), largest first, and their right singular vectors (rows): at most
+    ``dims``, and only those the images span (s > 1e-6 s_1).
 
     With fewer images than features (hundreds of proxy images, 6,176 features) they come from the N x N Gram matrix:
     the same directions (to 1e-15) as the thin SVD, 25 times faster (0.04 s against 0.97 s for 500 images), which a DP
@@ -104,12 +103,13 @@ def _principal_directions(centred: np.ndarray, dims: int) -> tuple[np.ndarray, n
     n, d = centred.shape
     if n >= d:
         _, s, vt = np.linalg.svd(centred, full_matrices=False)
-        return s, vt[:dims]
-    eigenvalues, u = np.linalg.eigh(centred @ centred.T)
-    order = np.argsort(eigenvalues)[::-1]
-    s = np.sqrt(np.maximum(eigenvalues[order], 0.0))
-    top = order[: min(dims, int((s > s[0] * 1e-6).sum()) if s[0] > 0 else 0)]
-    return s, (u[:, top].T @ centred) / s[: len(top), None]
+    else:
+        eigenvalues, u = np.linalg.eigh(centred @ centred.T)
+        order = np.argsort(eigenvalues)[::-1]
+        s, u = np.sqrt(np.maximum(eigenvalues[order], 0.0)), u[:, order]
+    k = min(dims, int((s > s[0] * 1e-6).sum()) if s[0] > 0 else 0)
+    directions = vt[:k] if n >= d else (u[:, :k].T @ centred) / s[:k, None]
+    return s[:k], directions
 
 
 class SubspaceHead(nn.Module):

@@ -88,14 +88,17 @@ class FolderFederation:
         splits = _split_first(root)  # ROOT/train/<factory>/..., ROOT/test/<factory>/...: neither is the central test set
         if not splits and (inner := _wrapper(root, work)):  # ROOT/<one folder>/...: an archive unpacked into ROOT, say
             return cls.at(inner, classes, split_dir, aliases)
+        def outside_work(d: Path) -> bool:  # a work directory inside ROOT (the demo's) is no factory and no unread folder
+            return not (work and work.is_relative_to(d.resolve()))
+
         central = _reserved(root, "central test set", CENTRAL_TEST_NAMES, skip=splits)
         proxy = _reserved(root, "proxy set", PROXY_NAMES, skip=splits)
         ignored: tuple[str, ...] = ()
         if splits:
             factories, pairs = _factories_in_splits(*splits)
-            ignored = tuple(d.name for d in _folders(root) if d not in (*splits, central, proxy) and not (work and work.is_relative_to(d.resolve())))
+            ignored = tuple(d.name for d in _folders(root) if d not in (*splits, central, proxy) and outside_work(d))
         else:
-            factories = tuple(d for d in _folders(root) if d not in (central, proxy) and not (work and work.is_relative_to(d.resolve())))
+            factories = tuple(d for d in _folders(root) if d not in (central, proxy) and outside_work(d))
             if len(factories) == 1 and _is_container(factories[0]):  # ROOT/factories/<factory>/train/...: one folder holding them all
                 factories = tuple(_folders(factories[0]))
             pairs = [(_first_dir(d, TRAIN_NAMES), _first_dir(d, TEST_NAMES)) for d in factories]
