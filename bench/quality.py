@@ -125,7 +125,7 @@ class Recipe:
         if self.settings:
             training = TrainConfig.from_run_config({**training.to_run_config(), **dict(self.settings)}, seed=training.seed)
         return FederationConfig(num_server_rounds=self.rounds, architecture=self.architecture, seed=seed, server_optimizer=self.server_optimizer,
-                                server_lr=self.server_lr, server_momentum=self.server_momentum, lr_schedule=self.lr_schedule,
+                                server_lr=self.server_lr, head_server_lr=self.server_lr, server_momentum=self.server_momentum, lr_schedule=self.lr_schedule,
                                 training=training)
 
     def with_settings(self, settings: dict[str, object]) -> Recipe:
@@ -147,9 +147,9 @@ class Recipe:
 
 
 RECIPES = {
-    # the defaults ([tool.flwr.app.config]): frozen backbone + federated head, FedAvgM 0.7, cosine local lr over 20 x 2
-    "default": Recipe("effnet-lite0 head, FedAvgM 0.7, 20x2, cosine lr", "effnet-lite0", rounds=20, local_epochs=2, server_optimizer="fedavgm",
-                      server_momentum=0.7, lr_schedule="cosine"),
+    # the defaults ([tool.flwr.app.config]): frozen backbone + federated head, FedAvgM 0.7 at the head's server step, cosine local lr over 20 x 2
+    "default": Recipe("effnet-lite0 head, FedAvgM 0.7 (server lr 2), 20x2, cosine lr", "effnet-lite0", rounds=20, local_epochs=2,
+                      server_optimizer="fedavgm", server_lr=FederationConfig.head_server_lr, server_momentum=0.7, lr_schedule="cosine"),
     "head-fedavg": Recipe("effnet-lite0 head, FedAvg 20x2", "effnet-lite0", rounds=20, local_epochs=2),
     # the from-scratch family, with the recipe it had before (FedAvg 5 x 2) and with server momentum over more, shorter rounds
     "cnn": Recipe("cnn-small, FedAvg 5x2", "cnn-small", rounds=5, local_epochs=2),

@@ -97,9 +97,10 @@ class TrainConfig:
         "personal-public-rare", "a class is rare at a factory when it holds fewer than this share of its training images"))
     # DP-SGD on the pretrained family's linear head (client.subspace): its own optimiser settings, because the noise, not the
     # data, sets the step there (measured at epsilon 8, 3 factories: on the whole head SGD lr 0.3 over batches of 256 reached 0.614,
-    # AdamW lr 3e-3 over 16 0.559; in the public subspace lr 0.6 under the run's lr-schedule with whitening 0.5; docs/benchmarks.md)
+    # AdamW lr 3e-3 over 16 0.559; in the public subspace lr 0.6 under the run's lr-schedule with whitening 0.5; docs/benchmarks.md).
+    # Halved to 0.3 when the head's server step doubled (head-server-lr 2): the global model moves by the same amount a round
     private_head_optimizer: str = field(default="sgd", metadata=_key("private-head-optimizer", "optimiser of a head trained with DP-SGD: adamw | sgd"))
-    private_head_lr: float = field(default=0.6, metadata=_key("private-head-lr", "learning rate of a head trained with DP-SGD (decayed over rounds "
+    private_head_lr: float = field(default=0.3, metadata=_key("private-head-lr", "learning rate of a head trained with DP-SGD (decayed over rounds "
                                                                                            "like lr, under lr-schedule)"))
     private_head_batch_size: int = field(default=256, metadata=_key("private-head-batch-size", "expected batch of a head trained with DP-SGD"))
     # DP-SGD clips every example's gradient to the same norm, which caps what a factory's few images of a rare class can teach
@@ -109,8 +110,9 @@ class TrainConfig:
         "private-head-logit-adjustment", "tau of the logit adjustment a head trained with DP-SGD trains with: logits + tau log(the "
                                          "factory's released class prior); 0 = off"))
     # A factory that shares the secure sum's DP noise (--dp-secure-sum) takes one full-batch DP gradient step per round instead:
-    # its step size (30 rounds, server momentum 0.7: 2, 3 and 4 within a point of each other on three data sets; docs/benchmarks.md)
-    secure_sum_lr: float = field(default=3.0, metadata=_key(
+    # its step size (30 rounds, server momentum 0.7: 2, 3 and 4 within a point of each other on three data sets; docs/benchmarks.md),
+    # halved to 1.5 when the head's server step doubled (head-server-lr 2): the same step on the global model, exactly
+    secure_sum_lr: float = field(default=1.5, metadata=_key(
         "secure-sum-lr", "step size of the one DP gradient step per round of a factory that shares the secure sum's noise "
                          "(--dp-secure-sum; decayed over rounds like lr, under lr-schedule)"))
     # Fewer directions, less noise, a lower ceiling: at epsilon 8 and 270 to 540 images per factory, 32 to 48 directions beat

@@ -25,7 +25,7 @@ from common.data.classes import DEFAULT_CLASSES, format_classes, parse_classes
 from common.data.datasets import SyntheticSpec
 from common.data.images import check_bit_depth
 from common.evaluation import DEFAULT_GOOD_CLASS
-from common.models import natural_image_size
+from common.models import is_pretrained, natural_image_size
 from common.simulation import RUN_CONFIG_DEFAULTS as SIMULATION_KEYS
 from common.training import TrainConfig, coerce
 
@@ -67,7 +67,12 @@ class FederationConfig:
     feature_device: str = "auto"  # where the central site's frozen backbone extracts features (test, proxy, validation sets)
     # The server optimiser applied to the averaged update (Reddi et al. 2021).
     server_optimizer: str = "fedavgm"  # fedavg | fedavgm | fedadam
-    server_lr: float = 1.0
+    server_lr: float = 1.0  # the cnn-* family's step on the optimiser's output
+    # The pretrained family's (head_server_lr): with many factories whose heads move apart, their average makes about one
+    # factory's progress a round, and the frozen backbone's linear head is still learning at round 20 on some data; a
+    # larger step there gained up to 8 points and cost at most 1.4 elsewhere (docs/benchmarks.md, "A thirteenth data set").
+    # Its DP steps (private-head-lr, secure-sum-lr) were halved with it, so a DP head moves as it was measured to.
+    head_server_lr: float = 2.0
     server_momentum: float = 0.7  # FedAvgM's beta; FedAdam's beta1
     server_beta2: float = 0.99  # FedAdam
     server_tau: float = 1e-3  # FedAdam's adaptivity (epsilon)
@@ -111,8 +116,8 @@ class FederationConfig:
             raise ValueError(f"lr-schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if self.server_optimizer not in SERVER_OPTIMIZERS:
             raise ValueError(f"server-optimizer must be one of {SERVER_OPTIMIZERS}, got {self.server_optimizer!r}")
-        if self.server_lr <= 0 or not 0 <= self.server_momentum < 1 or not 0 <= self.server_beta2 < 1 or self.server_tau <= 0:
-            raise ValueError("server-lr and server-tau must be > 0, server-momentum and server-beta2 in [0, 1)")
+        if min(self.server_lr, self.head_server_lr, self.server_tau) <= 0 or not 0 <= self.server_momentum < 1 or not 0 <= self.server_beta2 < 1:
+            raise ValueError("server-lr, head-server-lr and server-tau must be > 0, server-momentum and server-beta2 in [0, 1)")
         parse_classes(self.classes)  # raises naming the problem
         feature_device(self.feature_device, option="run-config key feature-device")
         if self.channels not in (1, 3):
@@ -151,6 +156,11 @@ class FederationConfig:
         if unknown:
             log.warning("ignoring unknown run-config keys %s", sorted(unknown))
         return cls(**values, training=TrainConfig.from_run_config(run_config, seed=int(values.get("seed", 0))))
+
+    def server_lr_for(self, architecture: str) -> float:
+        """The server optimiser's step for a line of ``architecture``: head-server-lr for the pretrained family, server-lr
+        for the cnn-* family (measured with 1; a larger server step was never measured there)."""
+        return self.head_server_lr if is_pretrained(architecture) else self.server_lr
 
     @property
     def class_list(self) -> tuple[str, ...]:

@@ -371,7 +371,7 @@ class Federation:
         """The group's line: loaded from the registry when resuming, else a fresh initial version."""
         if arch in self.lines:
             return self.lines[arch]
-        optimizer = ServerOptimizer(self.cfg.server_optimizer, self.cfg.server_lr, self.cfg.server_momentum, self.cfg.server_beta2, self.cfg.server_tau)
+        optimizer = ServerOptimizer(self.cfg.server_optimizer, self.cfg.server_lr_for(arch), self.cfg.server_momentum, self.cfg.server_beta2, self.cfg.server_tau)
         if self.resumed_round:
             candidates = [v for v in self.registry.versions() if v.architecture == arch and v.server_round <= self.resumed_round]
             if candidates:

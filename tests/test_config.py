@@ -3,13 +3,16 @@
 import itertools
 import logging
 import tomllib
+from collections import OrderedDict
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from common.simulation import RUN_CONFIG_DEFAULTS as SIMULATION_DEFAULTS
 from common.training import TrainConfig
 from server.config import FederationConfig
+from server.optimizers import ServerOptimizer
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
@@ -60,3 +63,22 @@ def test_unknown_keys_are_logged_and_bad_values_name_their_key(caplog):
         FederationConfig.from_run_config({"classes": "ok,crack,ok"})
     with pytest.raises(ValueError, match="run-config key feature-device 'tpu'"):
         FederationConfig.from_run_config({"feature-device": "tpu"})
+
+
+def test_the_pretrained_heads_line_steps_with_head_server_lr_and_a_cnn_line_with_server_lr():
+    """The head's server step is 2 by default (docs/benchmarks.md, "A thirteenth data set"); its DP steps are halved with it,
+    so the secure-sum step moves the global head exactly as before: FedAvgM is linear in the average's delta."""
+    cfg = FederationConfig()
+    assert (cfg.server_lr_for("effnet-lite0"), cfg.server_lr_for("cnn-small")) == (2.0, 1.0)
+    assert (cfg.training.secure_sum_lr, cfg.training.private_head_lr) == (1.5, 0.3)
+    run = FederationConfig.from_run_config({"head-server-lr": 3.0, "server-lr": 0.5})
+    assert (run.server_lr_for("effnet-lite0"), run.server_lr_for("cnn-medium")) == (3.0, 0.5)
+    with pytest.raises(ValueError, match="head-server-lr"):
+        FederationConfig.from_run_config({"head-server-lr": 0.0})
+    w = OrderedDict(a=np.array([1.0, -2.0]))
+    step = np.array([0.3, -0.6])  # one round's full-batch step at secure-sum-lr 3 ...
+    before, now = ServerOptimizer("fedavgm", 1.0, 0.7), ServerOptimizer("fedavgm", 2.0, 0.7)
+    for _ in range(3):
+        old, new = before.step(w, OrderedDict(a=w["a"] + step)), now.step(w, OrderedDict(a=w["a"] + step / 2))  # ... and at 1.5
+        np.testing.assert_allclose(old["a"], new["a"], rtol=1e-12)
+        w = old

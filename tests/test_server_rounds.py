@@ -151,7 +151,8 @@ def _config(tmp_path, **kw):
 
 def test_nan_and_wrong_shape_updates_are_excluded_by_name(tmp_path, caplog):
     grid = ScriptedGrid({1: factory("good", plus(0.01)), 2: factory("nan-factory", with_nan), 3: factory("shape-factory", wrong_shape)})
-    fed = Federation(grid, _config(tmp_path, min_factories=1), flwr_run_id="7")
+    cfg = _config(tmp_path, min_factories=1)
+    fed = Federation(grid, cfg, flwr_run_id="7")
     with caplog.at_level(logging.WARNING, logger="fedforge"):
         fed.run()
     registry = Registry.at(tmp_path)
@@ -162,7 +163,8 @@ def test_nan_and_wrong_shape_updates_are_excluded_by_name(tmp_path, caplog):
     assert "factory nan-factory" in caplog.text and "factory shape-factory" in caplog.text
     initial, new = registry.versions("run-7")
     w0, w1 = registry.load_weights(initial.id), registry.load_weights(new.id)
-    assert all(np.allclose(w1[k], w0[k] + 0.01) for k in w0)  # exactly the good factory's model
+    step = cfg.server_lr_for(cfg.architecture)  # the server's step on the average (one round: momentum has nothing to add)
+    assert all(np.allclose(w1[k], w0[k] + 0.01 * step) for k in w0)  # exactly the good factory's update
     assert new.parent_id == initial.id and new.participants == ["good"]
 
 

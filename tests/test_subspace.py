@@ -160,7 +160,7 @@ def test_dp_head_settings_are_checked_by_name():
         TrainConfig.from_run_config({"public-subspace-whitening": 2.0})
     with pytest.raises(ValueError, match="private-head-logit-adjustment"):
         TrainConfig.from_run_config({"private-head-logit-adjustment": -1.0})
-    assert TrainConfig().private_head() == TrainConfig(optimizer="sgd", lr=0.6, batch_size=256)
+    assert TrainConfig().private_head() == TrainConfig(optimizer="sgd", lr=0.3, batch_size=256)
 
 
 def test_a_dp_head_trains_on_logits_adjusted_by_the_prior_of_its_released_counts_never_its_exact_ones(tmp_path, monkeypatch):
