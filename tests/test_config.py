@@ -82,3 +82,7 @@ def test_the_pretrained_heads_line_steps_with_head_server_lr_and_a_cnn_line_with
         old, new = before.step(w, OrderedDict(a=w["a"] + step)), now.step(w, OrderedDict(a=w["a"] + step / 2))  # ... and at 1.5
         np.testing.assert_allclose(old["a"], new["a"], rtol=1e-12)
         w = old
+    # a cnn-* line's server steps by server-lr (1): its factories take the step the head's line takes at head-server-lr
+    first = cfg.train_config(1, "effnet-lite0")["secure-sum-lr"], cfg.train_config(1, "cnn-small")["secure-sum-lr"]
+    assert first == pytest.approx((1.5, 3.0))
+    assert run.train_config(1, "cnn-medium")["secure-sum-lr"] == pytest.approx(1.5 * 3.0 / 0.5)

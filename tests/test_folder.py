@@ -48,6 +48,17 @@ def test_unknown_folder_is_refused_naming_it_and_the_list(tmp_path):
     assert "good" in str(err.value) and "--class-alias" in str(err.value)
 
 
+
+def test_a_folder_named_in_another_case_is_refused_with_the_alias_that_fixes_it(tmp_path):
+    """"Good" for the run's "good": refused (a case-blind match could merge two classes a line keeps apart), and the error
+    gives the exact --class-alias to add."""
+    _write(tmp_path / "Good" / "a.png")
+    with pytest.raises(DatasetError, match="folder 'Good' is not a class") as err:
+        index_image_folder(tmp_path, FEDERATION)
+    assert "add --class-alias Good=good" in str(err.value)
+    assert index_image_folder(tmp_path, FEDERATION, parse_aliases(["Good=good"])).folders == {"Good": "good"}
+
+
 def test_alias_maps_a_renamed_folder(tmp_path):
     _write(tmp_path / "OK-parts" / "a.png", 10)
     _write(tmp_path / "dent" / "b.png", 90)
@@ -359,6 +370,23 @@ def test_a_recipe_keeps_its_own_training_keys_under_set(monkeypatch):
     assert recipe.with_settings({"head-proximal-mu": 0.5}).federation(0).training.head_proximal_mu == 0.5
 
 
+def test_a_recipes_server_step_is_its_lines_and_the_other_line_keeps_the_products(monkeypatch):
+    """A recipe's server lr is its family's (head-server-lr or server-lr); the other keeps the product's default, so a cnn-*
+    recipe's --dp-secure-sum step is the one `fedforge run` sends a cnn-* line (FederationConfig.secure_sum_lr_for)."""
+    import importlib
+    from pathlib import Path
+
+    from server.config import FederationConfig
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    quality = importlib.import_module("quality")
+
+    product = FederationConfig()
+    head, cnn = quality.RECIPES["default"].federation(0), quality.RECIPES["cnn"].federation(0)
+    assert head.server_lr_for("effnet-lite0") == product.head_server_lr and cnn.server_lr_for("cnn-small") == product.server_lr
+    assert cnn.train_config(1, "cnn-small")["secure-sum-lr"] == product.train_config(1, "cnn-small")["secure-sum-lr"]
+
+
 def test_the_quality_bench_takes_a_class_only_the_central_test_set_holds(monkeypatch, tmp_path):
     """A class that no factory's folders hold but ROOT/test does (a defect no line has seen yet) is one of the run's
     classes, which the global model is scored on, not a folder the bench refuses as fitting no class."""
@@ -541,9 +569,14 @@ def test_the_quality_bench_reads_val_folders_and_splits_a_factory_without_any(mo
     with pytest.raises(DatasetError, match=r"plant-z/train', '.*plant-z/test'\] hold no image files"):
         quality.Folders.at(tmp_path, split_dir=work / "empty")
     shutil.rmtree(tmp_path / "plant-z")
-    _write(tmp_path / "plant-a" / "training" / "Nut" / "0.png")  # two folders that differ only in case: two classes, and a hint
+    _write(tmp_path / "plant-a" / "training" / "Nut" / "0.png")  # two folders that differ only in case: one class, as most folders spell it
     clash = quality.Folders.at(tmp_path, split_dir=work / "clash")
-    assert clash.classes == ("Nut", "bolt", "nut", "washer") and "--class-alias nut=Nut" in clash.case_clashes()
+    assert clash.classes == ("bolt", "nut", "washer") and clash.alias_flags() == ["--class-alias", "Nut=nut"]
+    assert "one class (Nut=nut" in clash.case_clashes()
+    nuts = load_image_folder(clash.trains[0], 8, clash.classes, aliases=clash.aliases)[0].labels.tolist().count(1)
+    assert nuts == len(list((clash.trains[0] / "nut").glob("*.png"))) + 1  # Nut's image is a nut
+    listed = quality.Folders.at(tmp_path, classes="Nut,bolt,nut,washer", split_dir=work / "listed")  # a list given is the user's word
+    assert listed.classes == ("Nut", "bolt", "nut", "washer") and "drop 'nut' from it and add --class-alias nut=Nut" in listed.case_clashes()
     shutil.rmtree(tmp_path / "plant-a" / "training" / "Nut")
     aliased = quality.Folders.at(tmp_path, split_dir=work / "aliased", aliases={"washer": "nut"})  # --class-alias washer=nut
     assert aliased.classes == ("bolt", "nut") and aliased.alias_flags() == ["--class-alias", "washer=nut"]

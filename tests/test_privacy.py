@@ -92,10 +92,12 @@ def test_epsilon_grows_and_matches_opacus_accountant(tmp_path):
     assert again.privacy_status()["epsilon-spent"] == pytest.approx(eps[-1])
 
 
-def test_round_over_budget_is_refused_and_not_charged(tmp_path):
+def test_round_over_budget_is_refused_and_not_charged(tmp_path, caplog):
     trainer = FactoryTrainer(_cfg(tmp_path, dp_epsilon=2.0, dp_planned_rounds=2))
     trainer.train(_global(), CONFIG, 1, run_id="r")
     trainer.train(_global(), CONFIG, 2, run_id="r")
+    # DP on a from-scratch model runs as asked, and the operator is told, once, that it learns next to nothing
+    assert caplog.text.count("DP training of the from-scratch cnn-small") == 1 and "pretrained architecture" in caplog.text
     charged = len(trainer.ledger.charges())
     with pytest.raises(BudgetExhausted, match="exhausted.*refused.*--dp-epsilon"):
         trainer.train(_global(), CONFIG, 3, run_id="r")

@@ -104,10 +104,11 @@ def assign_folders(folders: Iterable[str], classes: Sequence[str], aliases: Mapp
         name = aliases.get(normalise_name(folder), normalise_name(folder))
         if name not in known:
             hint = f" or aliases {dict(aliases)}" if aliases else ""
-            raise ClassListError(
-                f"{where}: folder {folder!r} is not a class of the class list {list(classes)}{hint}; "
-                f"rename it, add --class-alias {folder}=<class>, or extend --classes"
-            )
+            # a folder written in another case ("ok" for "OK") is the commonest slip: name the class it would be
+            same = sorted(c for c in known if c.casefold() == name.casefold())
+            fix = (f"if it holds {same[0]!r}, add --class-alias {folder}={same[0]} (or rename it)" if same
+                   else f"rename it, add --class-alias {folder}=<class>, or extend --classes")
+            raise ClassListError(f"{where}: folder {folder!r} is not a class of the class list {list(classes)}{hint}; {fix}")
         out[folder] = name
     return out
 

@@ -24,7 +24,8 @@ ROOT may also hold one folder that holds all of this (an archive unpacked into R
 read. ROOT's folder names are compared ignoring case, ``-``, ``_`` and spaces
 (``Central-Test`` is ``central_test``), so a folder other data sets write for the central test set or the proxy set is
 never taken for a factory and trained on. The class list is every class folder's name (NFC; through the aliases, as
-``--class-alias OK-parts=good`` maps a factory's folder), sorted, unless given.
+``--class-alias OK-parts=good`` maps a factory's folder), sorted, unless given; folders whose names differ only in case
+(``OK`` at one factory, ``ok`` at another) are one class, spelt as most of them are (`_case_aliases`).
 """
 
 from __future__ import annotations
@@ -121,8 +122,10 @@ class FolderFederation:
         # every class folder of the factories and of the central test set: a class no factory holds is still a class the
         # global model is tested on (and gets wrong), not a reason to refuse the run
         aliases = parse_aliases(aliases or {})
-        names = {normalise_name(c.name) for part in (*trains, *tests, *([central] if central else [])) for c in _folders(part)}
-        found = sorted({aliases.get(n, n) for n in names})
+        folder_names = [normalise_name(c.name) for part in (*trains, *tests, *([central] if central else [])) for c in _folders(part)]
+        if not classes:  # a class list given is the user's word; discovered, folders differing only in case are one class
+            aliases = {**_case_aliases([aliases.get(n, n) for n in folder_names]), **aliases}
+        found = sorted({aliases.get(n, n) for n in folder_names})
         return cls(factories, central, parse_classes(classes or found), proxy, trains, tests,
                    tuple(factories[i].name for i in unsplit), split_root, aliases, ignored)
 
@@ -136,8 +139,12 @@ class FolderFederation:
         return [flag for pair in self.alias_pairs() for flag in ("--class-alias", pair)]
 
     def case_clashes(self) -> str:
-        """A line naming the classes whose names differ only in case ('' if none): two classes to the model, most likely
-        one to the people who named the folders."""
+        """A line naming the folders taken as one class because their names differ only in case ('' if none; `at`), or,
+        under a class list given with such names, the classes that then train apart."""
+        merged = sorted(f"{folder}={name}" for folder, name in self.aliases.items() if folder != name and folder.casefold() == name.casefold())
+        if merged:
+            return (f"folders whose names differ only in case are one class ({', '.join(merged)}, as --class-alias would make them); "
+                    "rename one to keep them apart")
         groups: dict[str, list[str]] = {}
         for name in self.classes:
             groups.setdefault(name.casefold(), []).append(name)
@@ -145,8 +152,8 @@ class FolderFederation:
         if not clashes:
             return ""
         first = clashes[0]
-        return (f"classes {clashes} differ only in case and train as different classes; if they are one, add "
-                f"--class-alias {first[1]}={first[0]}")
+        return (f"classes {clashes} of the class list differ only in case and train as different classes; if they are one, "
+                f"drop {first[1]!r} from it and add --class-alias {first[1]}={first[0]}")
 
     def no_public_images(self) -> str:
         """A line saying what DP loses without a proxy folder ('' with one): the factories then train the whole head."""
@@ -201,6 +208,22 @@ class FolderFederation:
         """A labelled folder decoded in memory, labelled by the federation's class list."""
         data, _report = load_image_folder(folder, size, self.classes, channels, aliases=self.aliases, bit_depth=bit_depth)
         return ImageDataset(data.images_at(np.arange(len(data))), np.asarray(data.labels), self.classes)
+
+
+def _case_aliases(names: list[str]) -> dict[str, str]:
+    """Class folder names (one entry per folder) that differ only in case, each mapped to the spelling most folders use
+    (ties: the first in sorted order): "ok" at one factory and "OK" at two are the same parts to the people who named them,
+    and on a case-blind file system (macOS, Windows) the two folders could not even sit side by side."""
+    spellings: dict[str, dict[str, int]] = {}
+    for name in names:
+        counts = spellings.setdefault(name.casefold(), {})
+        counts[name] = counts.get(name, 0) + 1
+    out = {}
+    for counts in spellings.values():
+        if len(counts) > 1:
+            canonical = min(counts, key=lambda n: (-counts[n], n))
+            out |= {name: canonical for name in counts if name != canonical}
+    return out
 
 
 def _folders(parent: Path) -> list[Path]:
