@@ -124,8 +124,8 @@ class Recipe:
         training = TrainConfig(epochs=self.local_epochs, lr=self.lr, proximal_mu=self.proximal_mu)
         if self.settings:
             training = TrainConfig.from_run_config({**training.to_run_config(), **dict(self.settings)}, seed=training.seed)
-        # the recipe's server step is its line's: head-server-lr for the pretrained family, server-lr for cnn-* (the other keeps
-        # the product's default, as the cnn line's --dp-secure-sum step depends on both: FederationConfig.secure_sum_lr_for)
+        # the recipe's server step is its line's: head-server-lr for the pretrained family, server-lr for cnn-*; the other
+        # keeps the product's default (FederationConfig.server_lr_for)
         step = {"head_server_lr": self.server_lr} if is_pretrained(self.architecture) else {"server_lr": self.server_lr}
         return FederationConfig(num_server_rounds=self.rounds, architecture=self.architecture, seed=seed, server_optimizer=self.server_optimizer,
                                 server_momentum=self.server_momentum, lr_schedule=self.lr_schedule, training=training, **step)

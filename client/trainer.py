@@ -426,7 +426,7 @@ class FactoryTrainer:
 
     def _warn_dp_from_scratch(self, architecture: str) -> None:
         """Under DP a from-scratch model barely learns from one factory's images: cnn-small at epsilon 8 scored 0.207 with
-        local DP-SGD and 0.167 (chance) sharing the secure sum's noise, against 0.507 without DP (docs/benchmarks.md, "DP
+        local DP-SGD and 0.202 sharing the secure sum's noise (chance: 0.167), against 0.507 without DP (docs/benchmarks.md, "DP
         with a from-scratch model"). The round still runs, as the server asked; the operator is told once per architecture."""
         if self.budget is None or is_pretrained(architecture) or architecture in self._dp_warned:
             return

@@ -186,19 +186,17 @@ class FederationConfig:
     def train_config(self, server_round: int, architecture: str | None = None) -> dict[str, Any]:
         """What a train message tells a factory: the round, its architecture, the data contract and every training option.
 
+        The same for every line of a round but for the architecture: factories of all lines add into one secure sum, whose
+        masks cancel only between factories that received the same terms (`common.secagg.terms`), so no option may
+        depend on the line (a cnn-* line's --dp-secure-sum step is therefore secure-sum-lr too, at its server step of 1).
+
         Both learning rates follow the schedule: the head a DP factory trains decays too, because the noise each step adds
         to the global model scales with its step, and late rounds refine rather than move (docs/benchmarks.md)."""
         architecture = architecture or self.architecture
         return {"server-round": server_round, "architecture": architecture, "seed": self.seed, **self.data_config(),
                 **self.training.to_run_config(), "lr": self.round_lr(server_round),
                 "private-head-lr": self.round_lr(server_round, self.training.private_head_lr),
-                "secure-sum-lr": self.round_lr(server_round, self.secure_sum_lr_for(architecture))}
-
-    def secure_sum_lr_for(self, architecture: str) -> float:
-        """The --dp-secure-sum step a line of ``architecture`` takes. ``secure-sum-lr`` is set for the pretrained head's
-        line, whose server steps by head-server-lr; a cnn-* line's server steps by server-lr, so its factories step by
-        the ratio more and the DP step moves the global model as far on either line (secure-sum-lr x head-server-lr)."""
-        return self.training.secure_sum_lr * self.head_server_lr / self.server_lr_for(architecture)
+                "secure-sum-lr": self.round_lr(server_round, self.training.secure_sum_lr)}
 
     def distills_in(self, server_round: int) -> bool:
         return self.distill == "only" or (self.distill == "after" and server_round % self.distill_every == 0)

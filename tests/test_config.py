@@ -82,7 +82,19 @@ def test_the_pretrained_heads_line_steps_with_head_server_lr_and_a_cnn_line_with
         old, new = before.step(w, OrderedDict(a=w["a"] + step)), now.step(w, OrderedDict(a=w["a"] + step / 2))  # ... and at 1.5
         np.testing.assert_allclose(old["a"], new["a"], rtol=1e-12)
         w = old
-    # a cnn-* line's server steps by server-lr (1): its factories take the step the head's line takes at head-server-lr
-    first = cfg.train_config(1, "effnet-lite0")["secure-sum-lr"], cfg.train_config(1, "cnn-small")["secure-sum-lr"]
-    assert first == pytest.approx((1.5, 3.0))
-    assert run.train_config(1, "cnn-medium")["secure-sum-lr"] == pytest.approx(1.5 * 3.0 / 0.5)
+
+
+def test_every_line_of_a_round_is_sent_the_same_terms_but_its_architecture():
+    """Factories of every line add into one secure sum, whose masks cancel only between factories that received the same
+    round terms (`common.secagg.terms`): a training option that depended on the line (a step scaled by the line's server
+    step, say) would make a mixed run's secure sum never unmask."""
+    from common.secagg.layout import SecureLayout
+    from common.secagg.terms import PER_FACTORY_KEYS, round_terms
+
+    layout = SecureLayout.of({"effnet-lite0": 6, "cnn-small": 8}, classes=2)
+    for cfg in (FederationConfig(), FederationConfig.from_run_config({"head-server-lr": 3.0, "server-lr": 0.5})):
+        for r in (1, cfg.num_server_rounds):
+            lines = [cfg.train_config(r, arch) for arch in ("effnet-lite0", "cnn-small", "cnn-medium")]
+            assert all({k: v for k, v in c.items() if k not in PER_FACTORY_KEYS} == {k: v for k, v in lines[0].items() if k not in PER_FACTORY_KEYS}
+                       for c in lines)
+            assert len({round_terms(c, 10.0, 1e6, 1000, layout) for c in lines}) == 1

@@ -372,7 +372,7 @@ def test_a_recipe_keeps_its_own_training_keys_under_set(monkeypatch):
 
 def test_a_recipes_server_step_is_its_lines_and_the_other_line_keeps_the_products(monkeypatch):
     """A recipe's server lr is its family's (head-server-lr or server-lr); the other keeps the product's default, so a cnn-*
-    recipe's --dp-secure-sum step is the one `fedforge run` sends a cnn-* line (FederationConfig.secure_sum_lr_for)."""
+    recipe's line steps as `fedforge run` steps a cnn-* line, with the --dp-secure-sum step every line is sent."""
     import importlib
     from pathlib import Path
 
