@@ -48,7 +48,6 @@ def test_unknown_folder_is_refused_naming_it_and_the_list(tmp_path):
     assert "good" in str(err.value) and "--class-alias" in str(err.value)
 
 
-
 def test_a_folder_named_in_another_case_is_refused_with_the_alias_that_fixes_it(tmp_path):
     """"Good" for the run's "good": refused (a case-blind match could merge two classes a line keeps apart), and the error
     gives the exact --class-alias to add."""
