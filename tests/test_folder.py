@@ -386,6 +386,19 @@ def test_a_recipes_server_step_is_its_lines_and_the_other_line_keeps_the_product
     assert cnn.train_config(1, "cnn-small")["secure-sum-lr"] == product.train_config(1, "cnn-small")["secure-sum-lr"]
 
 
+def test_an_alias_to_a_spelling_the_case_merge_outvotes_follows_it(tmp_path):
+    """--class-alias washer=Nut where most folders spell it "nut": washer's images join the one class "nut", never a
+    class "Nut" of their own beside it."""
+    from common.data.layout import FolderFederation
+
+    for factory, classes in (("a", ("nut", "bolt")), ("b", ("nut", "washer", "bolt"))):
+        for split in ("train", "test"):
+            for name in classes:
+                _write(tmp_path / factory / split / name / "0.png")
+    folders = FolderFederation.at(tmp_path, split_dir=tmp_path.parent / f"{tmp_path.name}-split", aliases={"washer": "Nut"})
+    assert folders.classes == ("bolt", "nut") and folders.aliases == {"Nut": "nut", "washer": "nut"}
+
+
 def test_the_quality_bench_takes_a_class_only_the_central_test_set_holds(monkeypatch, tmp_path):
     """A class that no factory's folders hold but ROOT/test does (a defect no line has seen yet) is one of the run's
     classes, which the global model is scored on, not a folder the bench refuses as fitting no class."""

@@ -124,7 +124,8 @@ class FolderFederation:
         aliases = parse_aliases(aliases or {})
         folder_names = [normalise_name(c.name) for part in (*trains, *tests, *([central] if central else [])) for c in _folders(part)]
         if not classes:  # a class list given is the user's word; discovered, folders differing only in case are one class
-            aliases = {**_case_aliases([aliases.get(n, n) for n in folder_names]), **aliases}
+            case = _case_aliases([aliases.get(n, n) for n in folder_names])
+            aliases = {**case, **{folder: case.get(name, name) for folder, name in aliases.items()}}  # washer=Nut, Nut=nut: washer=nut
         found = sorted({aliases.get(n, n) for n in folder_names})
         return cls(factories, central, parse_classes(classes or found), proxy, trains, tests,
                    tuple(factories[i].name for i in unsplit), split_root, aliases, ignored)
