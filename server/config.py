@@ -192,8 +192,7 @@ class FederationConfig:
 
         Both learning rates follow the schedule: the head a DP factory trains decays too, because the noise each step adds
         to the global model scales with its step, and late rounds refine rather than move (docs/benchmarks.md)."""
-        architecture = architecture or self.architecture
-        return {"server-round": server_round, "architecture": architecture, "seed": self.seed, **self.data_config(),
+        return {"server-round": server_round, "architecture": architecture or self.architecture, "seed": self.seed, **self.data_config(),
                 **self.training.to_run_config(), "lr": self.round_lr(server_round),
                 "private-head-lr": self.round_lr(server_round, self.training.private_head_lr),
                 "secure-sum-lr": self.round_lr(server_round, self.training.secure_sum_lr)}
