@@ -108,15 +108,21 @@ def _quiet_flower(monkeypatch):
 
 
 @pytest.fixture
-def chromium():
-    """A real headless Chromium (Debian's) driven through chromedriver."""
+def chromium(tmp_path_factory):
+    """A real headless Chromium (Debian's) driven through chromedriver.
+
+    Its profile and the singleton-socket folder it makes under TMPDIR live in a short pytest folder: `driver.quit()`
+    ends Chromium without the clean shutdown that would remove them, so each test left two folders in /tmp."""
     from selenium import webdriver
 
+    home = tmp_path_factory.mktemp("chromium")  # short: the socket's path must fit a Unix socket name (108 bytes)
     options = webdriver.ChromeOptions()
     options.binary_location = "/usr/bin/chromium"
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1366,900"):
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1366,900",
+                f"--user-data-dir={home / 'profile'}"):
         options.add_argument(arg)
-    driver = webdriver.Chrome(service=webdriver.ChromeService("/usr/bin/chromedriver"), options=options)
+    service = webdriver.ChromeService("/usr/bin/chromedriver", env={**os.environ, "TMPDIR": str(home)})
+    driver = webdriver.Chrome(service=service, options=options)
     yield driver
     driver.quit()
 
