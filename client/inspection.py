@@ -28,7 +28,7 @@ import torch
 
 from client.data import DataRequest
 from client.models import ModelClient
-from common.data.images import DEFAULT_BIT_DEPTH, ImageError, decode_image_bytes
+from common.data.images import DECODE_VERSION, DEFAULT_BIT_DEPTH, FOLDING_DECODE, ImageError, decode_image_bytes
 from common.data.synth import CLASSES, DEFAULT_SIZE
 from common.models import PRETRAINED_ARCHITECTURES, build_model, load_weights
 from common.release import Statement, verify_statement
@@ -41,10 +41,17 @@ MAX_IMAGE_BYTES = 8 << 20
 InvalidImage = ImageError
 
 
-def decode_image(data: bytes, size: int = DEFAULT_SIZE, channels: int = 1, bit_depth: int = DEFAULT_BIT_DEPTH) -> np.ndarray:
+def decode_image(data: bytes, size: int = DEFAULT_SIZE, channels: int = 1, bit_depth: int = DEFAULT_BIT_DEPTH,
+                 decoding: int = DECODE_VERSION) -> np.ndarray:
     """Encoded image bytes -> float32 (channels, size, size), resized (and 16-bit grey scaled by this factory's ``bit_depth``)
-    as in training; raises `InvalidImage` with the reason."""
-    return decode_image_bytes(data, size, channels, MAX_IMAGE_BYTES, bit_depth)
+    as the served model's training images were (``decoding``: `decoding_of` its version); raises `InvalidImage` with the reason."""
+    return decode_image_bytes(data, size, channels, MAX_IMAGE_BYTES, bit_depth, decoding)
+
+
+def decoding_of(manifest: dict[str, Any]) -> int:
+    """How a version's training images were decoded (`common.data.images.DECODE_VERSION` when it was made); versions from
+    before it was recorded were trained on strips letterboxed as they are, so they are fed them unfolded."""
+    return int((manifest.get("model_input") or {}).get("decoding") or FOLDING_DECODE - 1)
 
 
 def input_of(manifest: dict[str, Any]) -> DataRequest:
@@ -62,6 +69,7 @@ class Served:
     request: DataRequest
     label: str  # reported as model_version: the version id, or "personal@<version>" (the personal model of that version)
     description: str = ""
+    decoding: int = DECODE_VERSION  # how its training images were decoded, and so how requests are (`decoding_of`)
 
 
 class ServingModel:
@@ -82,9 +90,10 @@ class ServingModel:
             log.warning("inspection stops serving model %s: %s", self._current.label, reason)
         self._current = None
 
-    def swap(self, version_id: str, model: torch.nn.Module, request: DataRequest | None = None, label: str = "", description: str = "") -> None:
+    def swap(self, version_id: str, model: torch.nn.Module, request: DataRequest | None = None, label: str = "", description: str = "",
+             decoding: int = DECODE_VERSION) -> None:
         model.eval()
-        self._current = Served(version_id, model, request or DataRequest(), label or version_id, description)  # one assignment: atomic for readers
+        self._current = Served(version_id, model, request or DataRequest(), label or version_id, description, decoding)  # one assignment: atomic for readers
         self._history.append(label or version_id)
         log.info("inspection now serves %s%s", label or version_id, f" ({description})" if description else "")
 
@@ -127,7 +136,7 @@ class InspectionServicer(edge_pb2_grpc.InspectionServicer):
     def _one(self, request: Any, context: grpc.ServicerContext) -> edge_pb2.InspectReply:
         try:
             served = self.serving.current()  # one model for the whole request, even across a hot swap
-            image = decode_image(request.image, served.request.image_size, served.request.channels, self.bit_depth)
+            image = decode_image(request.image, served.request.image_size, served.request.channels, self.bit_depth, served.decoding)
             version, probs = self.serving.predict(image[None], served)
         except InvalidImage as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -270,7 +279,9 @@ class ApprovalFollower(threading.Thread):
                 label, served, why = self.chooser(version_id, manifest["architecture"], request, model)
             except Exception as exc:  # noqa: BLE001 - the global model is always a safe answer
                 log.warning("could not compare %s with the personal model (%s); serving the global model", version_id, exc)
-        self.serving.swap(version_id, served, request, label, why)
+        # the global model is fed requests as its version was trained; a personal model is trained here, on today's decoding
+        decoding = decoding_of(manifest) if served is model else DECODE_VERSION
+        self.serving.swap(version_id, served, request, label, why, decoding)
 
     def reconsider(self) -> None:
         """Choose again between the followed global version and the (new) personal model."""

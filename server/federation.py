@@ -37,6 +37,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.inflatable.inflatable_utils import ObjectPullError, ObjectPushError, ObjectUnavailableError
 
+from common.data.images import DECODE_VERSION
 from common.distill import DistillConfig, ProxySet
 from common.evaluation import figures
 from common.models import ARCHITECTURES, backbone_of, build_model, federated_part, is_pretrained, load_weights, weights_of
@@ -421,7 +422,8 @@ class Federation:
     def _record_version(self, server_round: int, parent_id: str | None, kind: str, arch: str, weights: Any, metrics: dict[str, Any],
                         participants: list[str], privacy: dict[str, Any] | None = None) -> Any:
         model_input = {"classes": list(self.classes), "image_size": self.cfg.image_size, "channels": self.cfg.channels,
-                       "good_class": self.cfg.good_class, "backbone": backbone_of(arch)}
+                       "good_class": self.cfg.good_class, "backbone": backbone_of(arch),
+                       "decoding": DECODE_VERSION}  # how images became inputs: inspection reads requests alike (client.inspection)
         return self.registry.add_version(NewVersion(
             run_id=self.run_id, server_round=server_round, parent_id=parent_id, kind=kind, architecture=arch,
             weights=weights, metrics=metrics, participants=participants, privacy=privacy,

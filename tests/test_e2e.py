@@ -185,6 +185,9 @@ def test_own_image_folders_with_other_classes_missing_ones_and_an_ok_only_factor
     classes = ["Good", "Scratch Mark", "crack", "dent"]
     assert all(v.model_input["classes"] == classes and v.model_input["image_size"] == 48 for v in versions)
     assert versions[-1].model_input["channels"] == 1  # grey images, also those saved as RGB JPEG
+    from common.data.images import DECODE_VERSION
+
+    assert all(v.model_input["decoding"] == DECODE_VERSION for v in versions)  # edges feed inspection requests alike
     central = {p.resolve() for p in (tmp_path / "demo" / "central-test").rglob("*") if p.is_file()}
     assert len(central) == 4 * 3 + 3 * 3 + 5  # every factory's test images: plant-c's every 4th of 20
     assert {p.name for p in (tmp_path / "demo" / "central-test").iterdir()} == set(classes)  # OK-parts' images under Good

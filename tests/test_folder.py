@@ -91,17 +91,61 @@ def test_classes_that_do_not_fit_the_runs_list_are_named(tmp_path):
 
 
 def test_rgb_and_odd_sizes_are_letterboxed_not_cropped(tmp_path):
-    img = np.zeros((30, 90, 3), np.uint8)
-    img[:, :, 0] = 255  # a red strip, three times wider than high
+    img = np.zeros((30, 60, 3), np.uint8)
+    img[:, :, 0] = 255  # a red frame, twice as wide as high
     Image.fromarray(img).save(tmp_path / "wide.png")
     rgb = read_image(tmp_path / "wide.png", 30, channels=3)
     assert rgb.shape == (3, 30, 30)
-    assert np.allclose(rgb[0, 10:20], 1.0) and np.allclose(rgb[1:, 10:20], 0.0)  # the whole strip, scaled into the middle
+    assert np.allclose(rgb[0, 8:22], 1.0) and np.allclose(rgb[1:, 8:22], 0.0)  # the whole frame, scaled into the middle
     assert np.allclose(rgb[0, :5], 1.0)  # padded with the image's own mean colour
     grey = read_image(tmp_path / "wide.png", 30, channels=1)
     assert grey.shape == (1, 30, 30) and 0.2 < grey[0, 15, 15] < 0.4  # luma of pure red
     Image.fromarray(np.full((7, 5), 200, np.uint8)).save(tmp_path / "tiny.bmp")
     assert read_image(tmp_path / "tiny.bmp", 64).shape == (1, 64, 64)
+
+
+def _strip_with_marks(pieces: int, length: int = 100) -> np.ndarray:
+    """A dark strip of ``pieces`` squares along its length, each with a bright square mark in its middle."""
+    strip = np.full((length, length * pieces), 40, np.uint8)
+    for i in range(pieces):
+        strip[40:60, i * length + 40:i * length + 60] = 255
+    return strip
+
+
+def test_a_line_scan_strip_is_folded_into_a_near_square_mosaic_before_letterboxing(tmp_path):
+    """A 4:1 strip fills the whole input as a 2 x 2 mosaic of its quarters, in reading order, each mark at the middle of its
+    quadrant; letterboxed alone it would fill a quarter. A tall strip folds the same way, and so does a 16-bit one."""
+    from common.data.images import STRIP_FOLD, decode_image_bytes, fold_strip
+
+    Image.fromarray(_strip_with_marks(4)).save(tmp_path / "wide.png")
+    grey = read_image(tmp_path / "wide.png", 64)[0]
+    assert grey.shape == (64, 64)
+    for row in (0, 1):
+        for col in (0, 1):
+            quadrant = grey[row * 32:(row + 1) * 32, col * 32:(col + 1) * 32]
+            assert quadrant[13:19, 13:19].min() > 0.9 and quadrant[:8].max() < 0.2, (row, col)  # its mark, in its middle
+    assert np.array_equal(grey, decode_image_bytes((tmp_path / "wide.png").read_bytes(), 64)[0])  # inspection reads it alike
+
+    order = _strip_with_marks(4)
+    for i in range(4):
+        order[10:20, i * 100 + 10:i * 100 + 10 + 10 * (i + 1)] = 255  # piece i: a bar i + 1 tenths long above its mark
+    mosaic = np.asarray(fold_strip(Image.fromarray(order)))
+    assert mosaic.shape == (200, 200)
+    bars = [int((mosaic[r * 100 + 15, c * 100:(c + 1) * 100] == 255).sum()) for r in (0, 1) for c in (0, 1)]
+    assert bars == [10, 20, 30, 40]  # left to right, row after row
+
+    Image.fromarray(np.ascontiguousarray(_strip_with_marks(4).T)).save(tmp_path / "tall.png")
+    tall = read_image(tmp_path / "tall.png", 64)[0]
+    assert all(tall[r * 32 + 13:r * 32 + 19, c * 32 + 13:c * 32 + 19].min() > 0.9 for r in (0, 1) for c in (0, 1))
+    Image.fromarray(_strip_with_marks(4).astype(np.uint16) * 257).save(tmp_path / "wide16.png")
+    assert np.abs(read_image(tmp_path / "wide16.png", 64)[0] - grey).max() < 0.01  # a 16-bit camera's strip folds alike
+
+    three = np.asarray(fold_strip(Image.fromarray(_strip_with_marks(3))))  # 3 pieces on a 2 x 2 grid
+    assert three.shape == (200, 200) and three[140:160, 40:60].min() == 255
+    assert abs(int(three[150, 150]) - round(float(_strip_with_marks(3).mean()))) <= 1  # the empty cell: the strip's mean
+    assert STRIP_FOLD == 2.5
+    narrow = Image.fromarray(np.zeros((100, 240), np.uint8))  # 2.4:1, below the fold: letterboxed as it is
+    assert fold_strip(narrow) is narrow
 
 
 def test_a_large_jpeg_decodes_at_a_reduced_scale_to_what_the_full_image_gives(tmp_path, monkeypatch):

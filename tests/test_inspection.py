@@ -102,6 +102,34 @@ def test_inspect_matches_the_model_in_process_and_swaps_on_approval(site):
     assert [r.request_id for r in replies] == [str(k) for k in range(len(images))]
 
 
+def test_a_line_scan_strip_is_fed_to_each_version_as_its_training_images_were_read(site):
+    """Strips are folded since decoding 4. A version recorded before that (no ``decoding`` in its input record) was
+    trained on strips letterboxed as they are, and is fed them so; a version recorded since, folded."""
+    from common.data.images import DECODE_VERSION, FOLDING_DECODE, decode_image_bytes
+
+    registry, stub, agent = site
+    strip = np.full((32, 128), 60, np.uint8)
+    strip[8:20, 4:16], strip[12:24, 100:112] = 250, 250
+    buf = io.BytesIO()
+    Image.fromarray(strip).save(buf, format="PNG")
+    data = buf.getvalue()
+    unfolded = decode_image_bytes(data, 64, 1, decoding=FOLDING_DECODE - 1)
+    folded = decode_image_bytes(data, 64, 1, decoding=DECODE_VERSION)
+    assert np.abs(folded - unfolded).max() > 0.5
+    model = build_model("cnn-small", 6)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in _weights(1).items()})
+    model.eval()
+    recorded = {"classes": list(datasets.synth.CLASSES), "image_size": 64, "channels": 1, "decoding": DECODE_VERSION}
+    for round_, model_input, expected_input in ((1, None, unfolded), (2, recorded, folded)):
+        version = registry.add_version(NewVersion(run_id="r", server_round=round_, parent_id=None, kind="fedavg", architecture="cnn-small",
+                                                  weights=_weights(1), metrics={}, participants=["a"], model_input=model_input))
+        registry.approve(version.id, actor="qa")
+        _wait(lambda: agent.follower.serving.version == version.id)
+        with torch.no_grad():
+            expected = torch.softmax(model(torch.from_numpy(expected_input[None])), 1)[0].numpy()
+        np.testing.assert_allclose(stub.Inspect(edge_pb2.InspectRequest(image=data)).probabilities, expected, atol=1e-5)
+
+
 def test_hot_swap_loses_no_request_and_bad_versions_are_never_loaded(site):
     registry, stub, agent = site
     image = _png(datasets.test_dataset(datasets.SyntheticSpec(), 6).images[0])

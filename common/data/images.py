@@ -7,6 +7,12 @@ and an inspection station's request are resized the same way:
   the shorter side is padded, centred, with the image's own mean colour. A crop could cut away the
   defect an image is labelled for; padding with the mean leaves per-image statistics nearly as they
   were. Square images are simply resized.
+- **Strips are folded first** (`fold_strip`). A frame at least `STRIP_FOLD` (2.5) times as long as it is wide, as a
+  line-scan camera writes, is cut along its length into k near-square pieces (k: its aspect ratio, rounded), laid out
+  row by row on a grid of ceil(sqrt(k)) columns (cells left over in the strip's mean colour), and that mosaic is
+  letterboxed. Letterboxed alone, a 4:1 strip fills a quarter of the model's input and a defect keeps a quarter of
+  the pixels it would have in the mosaic; nothing is cropped either way. On a held-out data set with one factory's
+  2048 x 512 line-scan strips, folding raised that factory's own model from 0.74 to 0.91 (docs/benchmarks.md).
 - **Channels.** ``channels=1`` converts to 8-bit grey (ITU-R 601 luma), ``channels=3`` to RGB (a grey
   image is replicated into three equal channels).
 - **Bit depth.** 8-bit images (and palette, bilevel, CMYK...) go through Pillow's conversion. Grey images of
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -40,8 +47,15 @@ import numpy as np
 SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".gif", ".pgm", ".ppm"})
 # How files become arrays here, for caches keyed by a file's bytes (`common.features.content_keys`): bump it when decoding
 # changes what an encoded file decodes to. 2: large JPEGs decoded at a reduced scale (`JPEG_DRAFT`); 3: EXIF orientation
-# applied (`upright`).
-DECODE_VERSION = 3
+# applied (`upright`); 4: line-scan strips folded (`fold_strip`).
+DECODE_VERSION = 4
+STRIP_FOLD = 2.5  # a frame this many times as long as it is wide, or more, is folded into a mosaic (`fold_strip`)
+FOLDING_DECODE = 4  # the first decoding that folds strips: a model version recorded with an older one is fed them unfolded
+
+
+def folds(decoding: int) -> bool:
+    """Whether images read for a model trained at ``decoding`` (its version's record; `DECODE_VERSION` today) fold strips."""
+    return decoding >= FOLDING_DECODE
 JPEG_DRAFT = 2  # a JPEG is decoded at the smallest DCT scale that keeps both sides >= JPEG_DRAFT x size
 MAX_PIXELS = 64_000_000  # larger images are refused (decompression bombs)
 CHANNELS = (1, 3)
@@ -90,17 +104,23 @@ def _unit_grey(img: object, bit_depth: int = DEFAULT_BIT_DEPTH) -> object:
     return Image.fromarray((values / scale).astype(np.float32), mode="F")
 
 
-def to_array(img: object, size: int, channels: int, bit_depth: int = DEFAULT_BIT_DEPTH) -> np.ndarray:
-    """A decoded PIL image -> float32 (channels, size, size) in [0, 1] (letterboxed, see the module doc)."""
+def to_array(img: object, size: int, channels: int, bit_depth: int = DEFAULT_BIT_DEPTH, fold: bool = True) -> np.ndarray:
+    """A decoded PIL image -> float32 (channels, size, size) in [0, 1] (a strip folded unless ``fold`` is false, then
+    letterboxed: see the module doc)."""
     from PIL import Image
 
     assert isinstance(img, Image.Image)
     mode = _mode(channels)
     if img.mode in HIGH_DEPTH_MODES:  # more than 8 bits: letterboxed as floats, never rounded to 8 bits
-        grey = np.clip(np.asarray(_letterbox(_unit_grey(img, bit_depth), size), dtype=np.float32), 0.0, 1.0)[None]
+        grey = np.clip(np.asarray(_fit(_unit_grey(img, bit_depth), size, fold), dtype=np.float32), 0.0, 1.0)[None]
         return grey if channels == 1 else np.repeat(grey, 3, axis=0)
-    array = np.asarray(_letterbox(img.convert(mode), size), dtype=np.float32) / 255.0
+    array = np.asarray(_fit(img.convert(mode), size, fold), dtype=np.float32) / 255.0
     return array[None] if channels == 1 else np.ascontiguousarray(array.transpose(2, 0, 1))
+
+
+def _fit(img: object, size: int, fold: bool) -> object:
+    """``img`` (mode L, RGB or F) as the model's square input: folded if it is a strip (and ``fold``), then letterboxed."""
+    return _letterbox(fold_strip(img) if fold else img, size)
 
 
 def _letterbox(img: object, size: int) -> object:
@@ -114,11 +134,42 @@ def _letterbox(img: object, size: int) -> object:
     scale = size / max(w, h)
     nw, nh = max(1, round(w * scale)), max(1, round(h * scale))
     resized = img.resize((nw, nh), Image.BILINEAR)
-    mean = np.asarray(resized, dtype=np.float64).reshape(nh * nw, -1).mean(axis=0)
-    fill: float | int | tuple[int, ...] = (float(mean[0]) if img.mode == "F" else round(float(mean[0])) if img.mode == "L"
-                                           else tuple(round(float(m)) for m in mean))
-    out = Image.new(img.mode, (size, size), fill)
+    out = Image.new(img.mode, (size, size), _mean_colour(resized))
     out.paste(resized, ((size - nw) // 2, (size - nh) // 2))
+    return out
+
+
+def _mean_colour(img: object) -> float | int | tuple[int, ...]:
+    """``img``'s mean pixel as Pillow fills with it in ``img``'s mode (L, RGB or F)."""
+    assert hasattr(img, "mode")
+    mean = np.asarray(img, dtype=np.float64).reshape(-1, 1 if img.mode in ("L", "F") else 3).mean(axis=0)
+    if img.mode == "F":
+        return float(mean[0])
+    return round(float(mean[0])) if img.mode == "L" else tuple(round(float(m)) for m in mean)
+
+
+def fold_strip(img: object) -> object:
+    """A strip (its long side at least `STRIP_FOLD` times its short side) as a near-square mosaic of its pieces; any
+    other image as it is (see the module doc). Each piece keeps its orientation and pixels; piece i of k sits at row
+    i // cols, column i % cols, so the strip reads left to right (top to bottom for a tall one), row after row."""
+    from PIL import Image
+
+    assert isinstance(img, Image.Image)
+    w, h = img.size
+    long_side, short_side = max(w, h), min(w, h)
+    if long_side < STRIP_FOLD * short_side:
+        return img
+    k = int(long_side / short_side + 0.5)
+    cols = math.ceil(math.sqrt(k))
+    rows = math.ceil(k / cols)
+    step = math.ceil(long_side / k)  # each piece's length along the strip (the last may be shorter)
+    wide = w >= h
+    cell_w, cell_h = (step, h) if wide else (w, step)
+    out = Image.new(img.mode, (cols * cell_w, rows * cell_h), _mean_colour(img))
+    for i in range(k):
+        start, end = i * step, min(long_side, (i + 1) * step)
+        piece = img.crop((start, 0, end, h) if wide else (0, start, w, end))
+        out.paste(piece, ((i % cols) * cell_w, (i // cols) * cell_h))
     return out
 
 
@@ -140,7 +191,7 @@ def upright(img: object) -> object:
     return ImageOps.exif_transpose(img)
 
 
-def _decode(source: object, size: int, channels: int, name: str, bit_depth: int) -> np.ndarray:
+def _decode(source: object, size: int, channels: int, name: str, bit_depth: int, fold: bool = True) -> np.ndarray:
     from PIL import Image, UnidentifiedImageError
 
     check_bit_depth(bit_depth)
@@ -152,7 +203,7 @@ def _decode(source: object, size: int, channels: int, name: str, bit_depth: int)
                 img.draft(img.mode, (JPEG_DRAFT * size, JPEG_DRAFT * size))  # see the module doc: the same on every site
             img.load()  # raises on truncated files (LOAD_TRUNCATED_IMAGES stays off)
             try:
-                return to_array(upright(img), size, channels, bit_depth)
+                return to_array(upright(img), size, channels, bit_depth, fold)
             except ImageError as exc:
                 raise ImageError(f"{name}: {exc}") from exc
     except ImageError:
@@ -166,13 +217,15 @@ def read_image(path: str | Path, size: int, channels: int = 1, bit_depth: int = 
     return _decode(Path(path), size, channels, str(path), bit_depth)
 
 
-def decode_image_bytes(data: bytes, size: int, channels: int = 1, max_bytes: int = 8 << 20, bit_depth: int = DEFAULT_BIT_DEPTH) -> np.ndarray:
-    """Encoded image bytes (an inspection request) -> float32 (channels, size, size)."""
+def decode_image_bytes(data: bytes, size: int, channels: int = 1, max_bytes: int = 8 << 20, bit_depth: int = DEFAULT_BIT_DEPTH,
+                       decoding: int = DECODE_VERSION) -> np.ndarray:
+    """Encoded image bytes (an inspection request) -> float32 (channels, size, size), read as a model trained at
+    ``decoding`` (its version's record) was trained: strips unfolded for a model from before `FOLDING_DECODE`."""
     if not data:
         raise ImageError("empty image")
     if len(data) > max_bytes:
         raise ImageError(f"image of {len(data)} bytes exceeds the {max_bytes} byte limit")
-    return _decode(io.BytesIO(data), size, channels, "image", bit_depth)
+    return _decode(io.BytesIO(data), size, channels, "image", bit_depth, folds(decoding))
 
 
 COLOUR_CHROMA = 0.02  # median mean chroma above which images count as colour (grey images saved as RGB PNG or JPEG: 0)
