@@ -124,7 +124,7 @@ def test_a_line_scan_strip_is_fed_to_each_version_as_its_training_images_were_re
         version = registry.add_version(NewVersion(run_id="r", server_round=round_, parent_id=None, kind="fedavg", architecture="cnn-small",
                                                   weights=_weights(1), metrics={}, participants=["a"], model_input=model_input))
         registry.approve(version.id, actor="qa")
-        _wait(lambda: agent.follower.serving.version == version.id)
+        _wait(lambda version_id=version.id: agent.follower.serving.version == version_id)
         with torch.no_grad():
             expected = torch.softmax(model(torch.from_numpy(expected_input[None])), 1)[0].numpy()
         np.testing.assert_allclose(stub.Inspect(edge_pb2.InspectRequest(image=data)).probabilities, expected, atol=1e-5)
