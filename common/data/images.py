@@ -51,14 +51,14 @@ SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp",
 DECODE_VERSION = 4
 STRIP_FOLD = 2.5  # a frame this many times as long as it is wide, or more, is folded into a mosaic (`fold_strip`)
 FOLDING_DECODE = 4  # the first decoding that folds strips: a model version recorded with an older one is fed them unfolded
+JPEG_DRAFT = 2  # a JPEG is decoded at the smallest DCT scale that keeps both sides >= JPEG_DRAFT x size
+MAX_PIXELS = 64_000_000  # larger images are refused (decompression bombs)
+CHANNELS = (1, 3)
 
 
 def folds(decoding: int) -> bool:
     """Whether images read for a model trained at ``decoding`` (its version's record; `DECODE_VERSION` today) fold strips."""
     return decoding >= FOLDING_DECODE
-JPEG_DRAFT = 2  # a JPEG is decoded at the smallest DCT scale that keeps both sides >= JPEG_DRAFT x size
-MAX_PIXELS = 64_000_000  # larger images are refused (decompression bombs)
-CHANNELS = (1, 3)
 
 
 class ImageError(ValueError):
