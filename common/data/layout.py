@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -215,15 +216,15 @@ def _case_aliases(names: list[str]) -> dict[str, str]:
     """Class folder names (one entry per folder) that differ only in case, each mapped to the spelling most folders use
     (ties: the first in sorted order): "ok" at one factory and "OK" at two are the same parts to the people who named them,
     and on a case-blind file system (macOS, Windows) the two folders could not even sit side by side."""
-    spellings: dict[str, dict[str, int]] = {}
-    for name in names:
-        counts = spellings.setdefault(name.casefold(), {})
-        counts[name] = counts.get(name, 0) + 1
+    counts = Counter(names)
+    spellings: dict[str, list[str]] = {}
+    for name in counts:
+        spellings.setdefault(name.casefold(), []).append(name)
     out = {}
-    for counts in spellings.values():
-        if len(counts) > 1:
-            canonical = min(counts, key=lambda n: (-counts[n], n))
-            out |= {name: canonical for name in counts if name != canonical}
+    for group in spellings.values():
+        if len(group) > 1:
+            canonical = min(group, key=lambda n: (-counts[n], n))
+            out |= {name: canonical for name in group if name != canonical}
     return out
 
 
