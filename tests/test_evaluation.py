@@ -162,9 +162,9 @@ def test_the_central_test_set_is_a_folder_or_generated_only_for_generated_factor
     own = CentralData(_config(tmp_path), tmp_path)
     own.choose_test_set(factories_generated=False)
     assert own.test is None
-    for name in ("ok", "crack"):
+    for grey, name in ((99, "ok"), (199, "crack")):  # two different images: one image under two classes is left out
         (tmp_path / "test" / name).mkdir(parents=True)
-        Image.fromarray(np.full((20, 20), 99, np.uint8)).save(tmp_path / "test" / name / "0.png")
+        Image.fromarray(np.full((20, 20), grey, np.uint8)).save(tmp_path / "test" / name / "0.png")
     folder = CentralData(_config(tmp_path, test_data=str(tmp_path / "test")), tmp_path)
     folder.choose_test_set(factories_generated=False)
     assert folder.test is not None and len(folder.test) == 2

@@ -1,6 +1,7 @@
 """Users' own image folders: the class list maps folders by name, any format and size loads, big folders stream."""
 
 import re
+import zlib
 
 import numpy as np
 import pytest
@@ -17,8 +18,12 @@ from common.data.synth import CLASSES
 FEDERATION = ("good", "dent", "scratch", "rust")  # a class list that is not the built-in one
 
 
-def _write(path, value=128, size=(40, 30), mode="L"):
+def _write(path, value=None, size=(40, 30), mode="L"):
+    """A flat image; by default its grey level follows its class folder's name, so that two classes never hold the same
+    bytes (the loader leaves out an image filed under two classes)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    if value is None:
+        value = 64 + zlib.crc32(path.parent.name.encode()) % 128
     shape = size[::-1] if mode == "L" else (*size[::-1], 3)
     Image.fromarray(np.full(shape, value, dtype=np.uint8), mode=mode).save(path)
 
@@ -293,8 +298,8 @@ def test_a_twelve_bit_camera_reads_as_its_eight_bit_copy_with_bit_depth_12(tmp_p
 
 def test_truncated_and_garbage_files_are_skipped_by_name(tmp_path, caplog):
     for i in range(2):
-        _write(tmp_path / "ok" / f"{i}.png")
-        _write(tmp_path / "crack" / f"{i}.png")
+        _write(tmp_path / "ok" / f"{i}.png", 100 + i)
+        _write(tmp_path / "crack" / f"{i}.png", 200 + i)
     good = (tmp_path / "ok" / "0.png").read_bytes()
     (tmp_path / "ok" / "truncated.png").write_bytes(good[: len(good) // 2])
     (tmp_path / "crack" / "garbage.jpg").write_bytes(b"not an image at all")
@@ -303,6 +308,38 @@ def test_truncated_and_garbage_files_are_skipped_by_name(tmp_path, caplog):
     skipped = {p.rsplit("/", 1)[1] for p, _ in report.skipped}
     assert skipped == {"truncated.png", "garbage.jpg"}
     assert "truncated.png" in caplog.text and "garbage.jpg" in caplog.text
+
+
+def test_an_image_filed_under_two_classes_is_left_out_naming_every_copy(tmp_path, caplog):
+    """An operator copied a dent into good/ instead of moving it: no copy of it trains or is held out, each is named with
+    the others, and the factory's split still pairs every image with its own label. A copy within one class, and
+    different images of the same size in two classes, are used as they are."""
+    rng = np.random.default_rng(0)
+    for name, low in (("good", 0), ("dent", 150)):  # dark good parts, bright dents: an image's mean says its folder
+        for i in range(6):
+            path = tmp_path / name / f"{name}-{i}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(rng.integers(low, low + 100, (30, 40), dtype=np.uint8)).save(path)
+    dent = (tmp_path / "dent" / "dent-0.png").read_bytes()
+    (tmp_path / "good" / "dent-0.png").write_bytes(dent)  # the copy in the wrong class
+    (tmp_path / "dent" / "dent-0 (2).png").write_bytes(dent)  # and a second copy in its own
+    (tmp_path / "good" / "good-0 (2).png").write_bytes((tmp_path / "good" / "good-0.png").read_bytes())  # a copy in its own class only
+    index = index_image_folder(tmp_path, FEDERATION)
+    data, report = load_labelled(index, FEDERATION, 16)
+    left_out = {p.relative_to(tmp_path).as_posix() if hasattr(p, "relative_to") else p[len(str(tmp_path)) + 1:]: why
+                for p, why in report.skipped}
+    assert set(left_out) == {"good/dent-0.png", "dent/dent-0.png", "dent/dent-0 (2).png"}
+    assert "dent/dent-0.png (dent), good/dent-0.png (good)" in left_out["dent/dent-0 (2).png"]
+    assert "delete the wrong ones" in left_out["good/dent-0.png"]
+    assert "3 files are copies of one image filed under two or more classes" in caplog.text
+    good, dent = FEDERATION.index("good"), FEDERATION.index("dent")
+    assert sorted(data.labels.tolist()) == [good] * 7 + [dent] * 5
+    source = open_source(str(tmp_path), ",".join(FEDERATION), [], None, 0)  # the factory's held-out split leaves them out too
+    split = FactoryData(source, 0.25, 0, 1 << 30).split(DataRequest(FEDERATION, 16, 1))
+    assert len(split.train) + len(split.held_out) == 12 and len(split.report.skipped) == 3
+    for part in (split.train, split.held_out):  # every image it keeps is paired with its own folder's label
+        means = part.images_at(np.arange(len(part))).mean(axis=(1, 2, 3))
+        assert np.array_equal(np.where(means > 0.5, dent, good), np.asarray(part.labels))
 
 
 def test_a_folder_over_the_memory_limit_streams_from_disk(tmp_path):
@@ -602,9 +639,9 @@ def test_the_quality_bench_reads_val_folders_and_splits_a_factory_without_any(mo
     work, tmp_path = tmp_path, tmp_path / "root"  # ROOT, and beside it where the splits go
     for part in ("training", "val"):
         _write(tmp_path / "plant-a" / part / "bolt" / "0.png")
-    for name, count in (("bolt", 8), ("nut", 3), ("washer", 1)):
+    for offset, (name, count) in enumerate((("bolt", 8), ("nut", 3), ("washer", 1))):
         for i in range(count):
-            _write(tmp_path / "plant-b" / name / "deep" / f"{i}.png", 10 * i)
+            _write(tmp_path / "plant-b" / name / "deep" / f"{i}.png", 10 * i + 100 * offset)
     folders = quality.Folders.at(tmp_path, split_dir=work / "split")
     assert folders.classes == ("bolt", "nut", "washer")
     assert folders.trains[0] == tmp_path / "plant-a" / "training" and folders.tests[0] == tmp_path / "plant-a" / "val"

@@ -3,13 +3,15 @@
 Reading is two steps. `index_image_folder` runs when the agent starts: it maps every sub-folder to a
 class of the factory's class list by name (or alias) and lists the files, refusing an unknown folder
 name at once. `load_labelled` runs when a run first asks for a given image size and channel count:
-it decodes every file once (unreadable ones are skipped and named in the log and the report), keeps
-the images in memory when they fit under the memory limit, and otherwise returns a set that decodes
-batches from disk as training asks for them.
+it decodes every file once (unreadable ones are skipped and named in the log and the report), leaves out
+the copies of one image filed under two classes (`label_conflicts`), keeps the images in memory when they
+fit under the memory limit, and otherwise returns a set that decodes batches from disk as training asks
+for them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -167,11 +169,19 @@ def load_labelled(index: FolderIndex, classes: Sequence[str], size: int = DEFAUL
         raise DatasetError(str(exc)) from None
     streamed = len(index.paths) * channels * size * size * 4 > memory_limit
     report = FolderReport(streamed=streamed)
+    conflicts = label_conflicts(index)
+    if conflicts:
+        path, reason = next(iter(conflicts.items()))
+        log.warning("data folder %s: %d files are copies of one image filed under two or more classes; they are left out until the "
+                    "wrong copies are deleted (e.g. %s: %s)", index.root, len(conflicts), path, reason)
     kept: list[np.ndarray] = []
     good_paths: list[Path] = []
     labels: list[int] = []
     brightest = 0.0
     for path, name in zip(index.paths, index.names):
+        if path in conflicts:
+            report.skipped.append((str(path), conflicts[path]))
+            continue
         try:
             image = read_image(path, size, channels, bit_depth)
         except ImageError as exc:
@@ -185,7 +195,7 @@ def load_labelled(index: FolderIndex, classes: Sequence[str], size: int = DEFAUL
             kept.append(image)
     report.loaded = len(labels)
     if not labels:
-        raise DatasetError(f"data folder {index.root} holds no readable images ({len(report.skipped)} unreadable)")
+        raise DatasetError(f"data folder {index.root} holds no usable images ({len(report.skipped)} unreadable or filed under two classes)")
     if hint := bit_depth_hint(brightest, bit_depth):
         log.warning("data folder %s: %s", index.root, hint)
     label_array = np.asarray(labels, dtype=np.int64)
@@ -194,6 +204,39 @@ def load_labelled(index: FolderIndex, classes: Sequence[str], size: int = DEFAUL
                  index.root, len(labels), len(labels) * channels * size * size * 4 / 1e6, memory_limit / 1e6)
         return StreamedImages(tuple(good_paths), label_array, tuple(classes), size, channels, bit_depth), report
     return ImageDataset(np.stack(kept), label_array, tuple(classes)), report
+
+
+def label_conflicts(index: FolderIndex) -> dict[Path, str]:
+    """The files whose exact bytes also lie under another class of ``index``, each with the reason it is left out.
+
+    An image copied into a second class folder (an operator's copy instead of a move, an export run twice with other
+    labels) would train the model on one image with two labels and could be scored against the one it did not learn.
+    Which label is right only the factory can say, so every copy is left out, each named with the others, until the
+    wrong ones are deleted. Copies within one class are left as they are. Files are compared by size first, and only
+    files of a size seen under two classes are read and hashed (SHA-256); an unreadable file is left to decoding to name."""
+    by_size: dict[int, list[tuple[Path, str]]] = {}
+    for path, name in zip(index.paths, index.names):
+        try:
+            by_size.setdefault(path.stat().st_size, []).append((path, name))
+        except OSError:
+            continue
+    by_digest: dict[str, list[tuple[Path, str]]] = {}
+    for files in by_size.values():
+        if len({name for _, name in files}) < 2:
+            continue
+        for path, name in files:
+            try:
+                by_digest.setdefault(hashlib.sha256(path.read_bytes()).hexdigest(), []).append((path, name))
+            except OSError:
+                continue
+    out: dict[Path, str] = {}
+    for copies in by_digest.values():
+        if len({name for _, name in copies}) < 2:
+            continue
+        for path, name in copies:
+            others = ", ".join(f"{p.relative_to(index.root).as_posix()} ({n})" for p, n in copies if p != path)
+            out[path] = f"the same image as {others}: filed as {name} and as another class, so no copy is used; delete the wrong ones"
+    return out
 
 
 def load_image_folder(root: str | Path, size: int = DEFAULT_SIZE, classes: Sequence[str] | None = None, channels: int = 1,
