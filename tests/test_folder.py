@@ -154,6 +154,55 @@ def test_a_line_scan_strip_is_folded_into_a_near_square_mosaic_before_letterboxi
     assert fold_strip(narrow) is narrow
 
 
+def _cut_out(hidden):
+    """A background-removed cut-out: a grey disc with a dark mark, opaque inside, transparent outside, ``hidden`` the RGB
+    left under the transparent pixels (None: the original background, green)."""
+    yy, xx = np.mgrid[0:48, 0:64]
+    inside = (xx - 32) ** 2 + (yy - 24) ** 2 < 18**2
+    rgb = np.zeros((48, 64, 3), np.uint8)
+    rgb[...] = (30, 140, 40)
+    rgb[inside] = (150, 150, 150)
+    rgb[20:26, 28:34] = (20, 20, 20)
+    if hidden is not None:
+        rgb[~inside] = hidden
+    return np.dstack([rgb, np.where(inside, 255, 0).astype(np.uint8)]), inside
+
+
+def test_a_cut_out_reads_alike_whatever_colour_its_transparent_pixels_hide(tmp_path):
+    """Export tools leave black, white or the old background under a cut-out's transparent pixels; Pillow's ``convert``
+    shows that colour. Every copy reads as the cut-out composited onto white, grey or RGB, from RGBA, LA and palette PNGs
+    (a transparent palette entry), on every site; an opaque RGBA image reads as its RGB."""
+    from common.data.images import ALPHA_BACKGROUND, decode_image_bytes
+
+    for i, hidden in enumerate([(0, 0, 0), (255, 255, 255), None, (200, 0, 200)]):
+        Image.fromarray(_cut_out(hidden)[0], "RGBA").save(tmp_path / f"cut{i}.png")
+    rgba, inside = _cut_out(None)
+    expected = np.where(inside[..., None], rgba[..., :3], np.array(ALPHA_BACKGROUND, np.uint8))
+    Image.fromarray(expected).save(tmp_path / "composited.png")
+    for channels in (1, 3):
+        want = read_image(tmp_path / "composited.png", 32, channels)
+        for i in range(4):
+            got = read_image(tmp_path / f"cut{i}.png", 32, channels)
+            assert np.abs(got - want).max() < 1 / 255 + 1e-6, (i, channels)
+            assert np.array_equal(got, decode_image_bytes((tmp_path / f"cut{i}.png").read_bytes(), 32, channels))
+    assert read_image(tmp_path / "cut0.png", 32, 1)[0, 4, 0] == 1.0  # the corner below the letterbox band: white, not black
+
+    grey = Image.fromarray(_cut_out((0, 0, 0))[0], "RGBA").convert("LA")
+    grey.save(tmp_path / "grey-alpha.png")
+    assert np.abs(read_image(tmp_path / "grey-alpha.png", 32, 1) - read_image(tmp_path / "composited.png", 32, 1)).max() < 2 / 255
+    palette = Image.fromarray(_cut_out((0, 0, 0))[0][..., :3]).quantize(8)  # black, outside the disc, as the transparent entry
+    black = next(i for i, c in enumerate(np.asarray(palette.getpalette()).reshape(-1, 3).tolist()) if c == [0, 0, 0])
+    palette.save(tmp_path / "palette.png", transparency=black)
+    with Image.open(tmp_path / "palette.png") as img:
+        assert img.mode == "P" and "transparency" in img.info
+    assert read_image(tmp_path / "palette.png", 32, 1)[0, 4, 0] == 1.0  # the transparent black reads white
+    opaque = _cut_out((0, 0, 0))[0].copy()
+    opaque[..., 3] = 255
+    Image.fromarray(opaque, "RGBA").save(tmp_path / "opaque.png")
+    Image.fromarray(opaque[..., :3]).save(tmp_path / "opaque-rgb.png")
+    assert np.array_equal(read_image(tmp_path / "opaque.png", 32, 3), read_image(tmp_path / "opaque-rgb.png", 32, 3))
+
+
 def test_a_large_jpeg_decodes_at_a_reduced_scale_to_what_the_full_image_gives(tmp_path, monkeypatch):
     """A photograph many times the input size is decoded in the JPEG's DCT domain at a reduced scale (never below twice the
     input size), then letterboxed: within 3/255 of decoding every pixel. A cache keyed by file bytes names the decoding."""

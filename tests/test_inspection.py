@@ -130,6 +130,22 @@ def test_a_line_scan_strip_is_fed_to_each_version_as_its_training_images_were_re
         np.testing.assert_allclose(stub.Inspect(edge_pb2.InspectRequest(image=data)).probabilities, expected, atol=1e-5)
 
 
+def test_a_cut_out_is_fed_to_each_version_as_its_training_images_were_read():
+    """Transparency is flattened onto white since decoding 5; a version recorded with decoding 4 was trained on the colour
+    Pillow's ``convert`` shows under transparent pixels, and is fed that (the agent picks the decoding per version as in the
+    strip test above)."""
+    from common.data.images import DECODE_VERSION, FLATTENING_DECODE, decode_image_bytes
+
+    rgba = np.zeros((32, 32, 4), np.uint8)
+    rgba[8:24, 8:24] = (120, 120, 120, 255)  # an opaque square on transparent black
+    buf = io.BytesIO()
+    Image.fromarray(rgba, "RGBA").save(buf, format="PNG")
+    old = decode_image_bytes(buf.getvalue(), 32, 1, decoding=FLATTENING_DECODE - 1)
+    new = decode_image_bytes(buf.getvalue(), 32, 1, decoding=DECODE_VERSION)
+    assert old[0, 0, 0] == 0.0 and new[0, 0, 0] == 1.0
+    assert old[0, 16, 16] == new[0, 16, 16] == pytest.approx(120 / 255)
+
+
 def test_hot_swap_loses_no_request_and_bad_versions_are_never_loaded(site):
     registry, stub, agent = site
     image = _png(datasets.test_dataset(datasets.SyntheticSpec(), 6).images[0])
