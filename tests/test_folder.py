@@ -201,6 +201,9 @@ def test_a_cut_out_reads_alike_whatever_colour_its_transparent_pixels_hide(tmp_p
     Image.fromarray(opaque, "RGBA").save(tmp_path / "opaque.png")
     Image.fromarray(opaque[..., :3]).save(tmp_path / "opaque-rgb.png")
     assert np.array_equal(read_image(tmp_path / "opaque.png", 32, 3), read_image(tmp_path / "opaque-rgb.png", 32, 3))
+    opaque[..., 3] = 0  # a fourth channel of zeros hides every pixel: not meant as transparency, read as the colours
+    Image.fromarray(opaque, "RGBA").save(tmp_path / "zero-alpha.png")
+    assert np.array_equal(read_image(tmp_path / "zero-alpha.png", 32, 3), read_image(tmp_path / "opaque-rgb.png", 32, 3))
 
 
 def test_a_large_jpeg_decodes_at_a_reduced_scale_to_what_the_full_image_gives(tmp_path, monkeypatch):

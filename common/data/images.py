@@ -137,13 +137,17 @@ def to_array(img: object, size: int, channels: int, bit_depth: int = DEFAULT_BIT
 
 def flatten_alpha(img: object) -> object:
     """``img`` composited onto `ALPHA_BACKGROUND` if it has transparency (an alpha channel, or a palette, grey or RGB
-    image with a transparent colour), as RGB; any other image as it is. Why: the module doc."""
+    image with a transparent colour), as RGB; any other image as it is. Why: the module doc. An alpha channel that hides
+    every pixel is not meant as one (a viewer would show nothing to label; some tools write a zero fourth channel): such
+    an image is read as its colours, as before flattening."""
     from PIL import Image
 
     assert isinstance(img, Image.Image)
     if img.mode not in ALPHA_MODES and not (img.mode in ("P", "L", "RGB") and "transparency" in img.info):
         return img
     rgba = img.convert("RGBA")
+    if rgba.getchannel("A").getextrema() == (0, 0):
+        return img
     return Image.alpha_composite(Image.new("RGBA", rgba.size, (*ALPHA_BACKGROUND, 255)), rgba).convert("RGB")
 
 
