@@ -18,8 +18,8 @@ and an inspection station's request are resized the same way:
   tool that wrote it: black, white, or the original background. Pillow's ``convert`` drops the alpha channel and shows
   that hidden colour, so one factory's cut-outs read on three backgrounds. Composited onto white (what a document or a
   light viewer shows), every copy of a cut-out reads alike whatever lies under its transparent pixels; an opaque
-  image is unchanged. On a held-out data set with one factory's cut-outs, that factory's own model gained 1 to 2 of its 80 test
-  images and the global model 1.5 points (docs/benchmarks.md).
+  image is unchanged. On a held-out data set with one factory's cut-outs, that factory's own model gained 1 to 2 of
+  its 80 test images and the global model 1.5 points (docs/benchmarks.md).
 - **Channels.** ``channels=1`` converts to 8-bit grey (ITU-R 601 luma), ``channels=3`` to RGB (a grey
   image is replicated into three equal channels).
 - **Bit depth.** 8-bit images (and palette, bilevel, CMYK...) go through Pillow's conversion. Grey images of
