@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 
 
 @pytest.fixture(scope="module")
-def registry_dir(tmp_path_factory) -> Path:
+def demo_registry(tmp_path_factory) -> Path:
     """A registry written by `fedforge demo` (3 factories with DP sharing the secure sum's noise, 2 rounds)."""
     root = tmp_path_factory.mktemp("dash")
     proc = subprocess.run(
@@ -34,6 +35,15 @@ def registry_dir(tmp_path_factory) -> Path:
     return root / "central" / "registry"
 
 
+@pytest.fixture
+def registry_dir(demo_registry: Path, tmp_path: Path) -> Path:
+    """Each test's own copy of the demo's registry, so that a test that approves or revokes a version leaves the next
+    test the registry the demo wrote, whatever order the tests run in."""
+    copy = tmp_path / "registry"
+    shutil.copytree(demo_registry, copy)
+    return copy
+
+
 def _serve(registry_dir: Path, **kw):
     port = free_port()
     server = serve_dashboard(DashboardSettings(registry_dir, poll_seconds=0.2, **kw), "127.0.0.1", port)
@@ -41,7 +51,7 @@ def _serve(registry_dir: Path, **kw):
     return server, f"http://127.0.0.1:{port}"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def dashboard(registry_dir):
     server, url = _serve(registry_dir, admin_token=ADMIN)
     yield url
