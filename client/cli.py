@@ -33,8 +33,8 @@ def agent_options(f):  # type: ignore[no-untyped-def]
                      "e.g. --class-alias good=ok (repeatable)."),
         click.option("--memory-limit-mb", default=2048, type=click.IntRange(0), help="Decoded images kept in memory; a larger folder is "
                      "streamed from disk batch by batch."),
-        click.option("--bit-depth", default=16, type=click.IntRange(8, 16), help="Significant bits of this factory's 16-bit grey images: "
-                     "12 for a camera that writes Mono12 as 0..4095 (read as 16 bits such images are dark). Training and Inspection "
+        click.option("--bit-depth", default=16, type=click.IntRange(8, 16), help="Significant bits of this factory's 16-bit grey images and "
+                     "colour TIFFs: 12 for a camera that writes Mono12 (or 12-bit RGB) as 0..4095 (read as 16 bits such images are dark). Training and Inspection "
                      "read them alike; a pixel above the range makes the file unreadable, by name."),
         click.option("--share-metrics/--no-share-metrics", default=False, help="Send this factory's own figures (held-out accuracy, loss) "
                      "to the central site; without it only federation-wide sums leave the factory."),

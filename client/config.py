@@ -23,7 +23,7 @@ class AgentConfig:
     classes: str = DEFAULT_CLASSES  # the class names this factory's folders may have (comma-separated)
     class_alias: tuple[str, ...] = ()  # "FOLDER=CLASS" renames, e.g. "good=ok"
     memory_limit_mb: int = 2048  # decoded images kept in memory; above this the factory streams from disk
-    bit_depth: int = 16  # significant bits of the cameras' 16-bit grey images (12: Mono12 written as 0..4095); also for inspection
+    bit_depth: int = 16  # significant bits of the cameras' 16-bit grey images and colour TIFFs (12: Mono12 written as 0..4095); also for inspection
     factory_index: int = 0  # which synthetic partition this factory holds
     num_factories: int = 3
     data_seed: int = 0

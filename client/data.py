@@ -107,7 +107,7 @@ class FolderSource:
 
     index: FolderIndex
     kind: str = "folder"
-    bit_depth: int = DEFAULT_BIT_DEPTH  # significant bits of its 16-bit grey images (`AgentConfig.bit_depth`)
+    bit_depth: int = DEFAULT_BIT_DEPTH  # significant bits of its 16-bit grey images and colour TIFFs (`AgentConfig.bit_depth`)
     classes: tuple[str, ...] = ()  # the factory's class list and folder aliases, to index the folder again
     aliases: tuple[tuple[str, str], ...] = ()
     version: str = ""  # `folder_version` of the index when it was made

@@ -61,7 +61,7 @@ class FederationConfig:
     alpha: float = 1.0
     test_size: int = 600  # generated test images, used only when the factories' data is generated
     test_data: str = ""  # an image folder for central evaluation (optional)
-    data_bit_depth: int = 16  # significant bits of 16-bit grey images in the central site's folders (test, proxy, validation data)
+    data_bit_depth: int = 16  # significant bits of 16-bit grey images and colour TIFFs in the central site's folders (test, proxy, validation data)
     registry_dir: str = ""  # absolute path; empty: ./fedforge-registry in the SuperLink's directory
     torch_threads: int = 1
     feature_device: str = "auto"  # where the central site's frozen backbone extracts features (test, proxy, validation sets)

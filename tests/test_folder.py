@@ -295,6 +295,73 @@ def test_sixteen_bit_and_float_camera_images_keep_their_range(tmp_path):
         read_image(tmp_path / "wide.tif", 32)
 
 
+def test_deep_colour_tiffs_read_as_their_eight_bit_copies_planar_interleaved_float_and_twelve_bit(tmp_path):
+    """A colour camera's 16-bit TIFFs read as their 8-bit copy: interleaved, planar (Pillow reads planar 16-bit RGB as
+    garbage: a red square as light grey), float in [0, 1] (which Pillow cannot open), and 12 significant bits with
+    bit-depth 12 (which Pillow reads by the high byte, nearly black); with an alpha channel flattened onto white; turned
+    by the TIFF's orientation tag; Inspection's bytes read alike. Samples beyond the range are refused by name, and a
+    16-bit colour PNG, which Pillow reads by the high byte only, is refused below bit-depth 16."""
+    import tifffile
+
+    from common.data.images import ImageError, decode_image_bytes
+
+    rgb = np.zeros((30, 50, 3))
+    rgb[..., 0] = np.linspace(0, 1, 50)[None]  # a ramp in red, a blue square, a green bar: every channel differs
+    rgb[5:20, 30:45, 2] = 0.8
+    rgb[22:28, :, 1] = 0.6
+    Image.fromarray(np.round(rgb * 255).astype(np.uint8)).save(tmp_path / "eight.png")
+    eight = read_image(tmp_path / "eight.png", 32, channels=3)
+    sixteen = np.round(rgb * 65535).astype(np.uint16)
+    tifffile.imwrite(tmp_path / "interleaved.tif", sixteen, photometric="rgb")
+    tifffile.imwrite(tmp_path / "planar.tif", np.moveaxis(sixteen, -1, 0), photometric="rgb", planarconfig="separate")
+    tifffile.imwrite(tmp_path / "float.tif", rgb.astype(np.float32), photometric="rgb")
+    tifffile.imwrite(tmp_path / "twelve.tif", np.round(rgb * 4095).astype(np.uint16), photometric="rgb")
+    alpha = np.full((30, 50, 1), 65535, np.uint16)
+    alpha[:, :10] = 0  # a cut-out: the left fifth is transparent and reads white, whatever it hides
+    tifffile.imwrite(tmp_path / "cut-out.tif", np.concatenate([sixteen, alpha], -1), photometric="rgb", extrasamples=[2])
+    tifffile.imwrite(tmp_path / "turned.tif", np.ascontiguousarray(np.rot90(sixteen, 1)), photometric="rgb",
+                     extratags=[(274, "H", 1, 6, True)])  # stored turned a quarter anticlockwise; orientation 6 turns it back
+    assert np.abs(np.asarray(Image.open(tmp_path / "planar.tif").convert("RGB"), np.float64) / 255 - rgb).max() > 0.3  # Pillow's reading
+    for name, bits in (("interleaved.tif", 16), ("planar.tif", 16), ("float.tif", 16), ("twelve.tif", 12), ("turned.tif", 16)):
+        got = read_image(tmp_path / name, 32, channels=3, bit_depth=bits)
+        assert got.shape == (3, 32, 32) and got.dtype == np.float32
+        assert np.abs(got - eight).max() < 0.01, name
+        assert np.allclose(decode_image_bytes((tmp_path / name).read_bytes(), 32, 3, bit_depth=bits), got), name
+        grey = read_image(tmp_path / name, 32, channels=1, bit_depth=bits)
+        assert np.abs(grey - read_image(tmp_path / "eight.png", 32, channels=1)).max() < 0.01, name
+    white = rgb.copy()
+    white[:, :10] = 1.0
+    Image.fromarray(np.round(white * 255).astype(np.uint8)).save(tmp_path / "white.png")
+    assert np.abs(read_image(tmp_path / "cut-out.tif", 32, channels=3) - read_image(tmp_path / "white.png", 32, channels=3)).max() < 0.01
+    with pytest.raises(ImageError, match=r"interleaved\.tif: colour TIFF with sample values up to 65535; expected 12-bit \(0\.\.4095\); "
+                                         r"is it a camera's 16-bit image\? then bit-depth is 16"):
+        read_image(tmp_path / "interleaved.tif", 32, channels=3, bit_depth=12)
+    tifffile.imwrite(tmp_path / "counts.tif", (rgb * 1000).astype(np.float32), photometric="rgb")
+    with pytest.raises(ImageError, match=r"counts\.tif: float colour TIFF with sample values in \[0, 1000\]; expected \[0, 1\]"):
+        read_image(tmp_path / "counts.tif", 32, channels=3)
+    (tmp_path / "cut.tif").write_bytes((tmp_path / "planar.tif").read_bytes()[:2000])  # a copy that broke off
+    with pytest.raises(ImageError, match=r"cut\.tif"):
+        read_image(tmp_path / "cut.tif", 32, channels=3)
+    png = _sixteen_bit_png(sixteen)
+    (tmp_path / "sixteen.png").write_bytes(png)
+    assert np.abs(read_image(tmp_path / "sixteen.png", 32, channels=3) - eight).max() < 0.01  # at 16 bits Pillow's high byte is right
+    with pytest.raises(ImageError, match=r"sixteen\.png: a 16-bit colour PNG cannot be read at bit-depth 12 .*save it as a TIFF"):
+        read_image(tmp_path / "sixteen.png", 32, channels=3, bit_depth=12)
+
+
+def _sixteen_bit_png(rgb: np.ndarray) -> bytes:
+    """A 16-bit RGB PNG of ``rgb`` (uint16 (H, W, 3)), which Pillow cannot write."""
+    import struct
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    h, w = rgb.shape[:2]
+    rows = b"".join(b"\x00" + rgb[y].astype(">u2").tobytes() for y in range(h))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, 2, 0, 0, 0)) + chunk(b"IDAT", zlib.compress(rows))
+            + chunk(b"IEND", b""))
+
+
 def test_a_twelve_bit_camera_reads_as_its_eight_bit_copy_with_bit_depth_12(tmp_path, caplog):
     """A Mono12 camera's 16-bit files (0..4095) read dark at the default 16 bits; with bit-depth 12, at the factory (training,
     streamed sets, Inspection), the central site (`data-bit-depth`) and the demo's factories, they read as their 8-bit copies.

@@ -146,6 +146,25 @@ def test_a_cut_out_is_fed_to_each_version_as_its_training_images_were_read():
     assert old[0, 16, 16] == new[0, 16, 16] == pytest.approx(120 / 255)
 
 
+def test_a_deep_colour_tiff_is_fed_to_each_version_as_its_training_images_were_read():
+    """Colour TIFFs of more than 8 bits per sample are read by tifffile since decoding 6; a version recorded with decoding 5
+    was trained on Pillow's reading of them (for a planar file, 8-bit planes cut out of the 16-bit data), and is fed that."""
+    import tifffile
+
+    from common.data.images import DECODE_VERSION, DEEP_COLOUR_DECODE, decode_image_bytes
+
+    rgb = np.zeros((32, 32, 3), np.uint16)
+    rgb[8:24, 8:24, 0] = 60000  # a red square on black
+    buf = io.BytesIO()
+    tifffile.imwrite(buf, np.moveaxis(rgb, -1, 0), photometric="rgb", planarconfig="separate")
+    old = decode_image_bytes(buf.getvalue(), 32, 3, decoding=DEEP_COLOUR_DECODE - 1)
+    new = decode_image_bytes(buf.getvalue(), 32, 3, decoding=DECODE_VERSION)
+    assert new[:, 16, 16] == pytest.approx([60000 / 65535, 0.0, 0.0])
+    pillow = np.asarray(Image.open(io.BytesIO(buf.getvalue())).convert("RGB"), np.float32).transpose(2, 0, 1) / 255
+    np.testing.assert_allclose(old, pillow, atol=1e-6)
+    assert np.abs(old - new).max() > 0.2
+
+
 def test_hot_swap_loses_no_request_and_bad_versions_are_never_loaded(site):
     registry, stub, agent = site
     image = _png(datasets.test_dataset(datasets.SyntheticSpec(), 6).images[0])

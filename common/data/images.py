@@ -34,6 +34,11 @@ and an inspection station's request are resized the same way:
   twice ``size`` on either side, then resized as above: a 6-megapixel photograph decodes about 5x faster
   (`bench/data_loading.py --photos`), and the
   pixels ``size`` keeps are averaged from the same area of the photograph.
+- **Colour TIFFs of more than 8 bits per sample** (16-bit or float RGB, interleaved or planar) are read with tifffile
+  (`common.data.tiff`) and scaled like grey images of more bits, by ``bit_depth`` for integer samples. Pillow reads
+  such files by each sample's high byte, ignoring the bit depth (12-bit colour reads nearly black), reads planar ones
+  as garbage (a red square as light grey) and cannot open float ones. Letterboxed and folded as floats, channel by
+  channel. A 16-bit colour PNG, which Pillow reads by the high byte too, is refused when ``bit_depth`` is below 16.
 - **EXIF orientation** is applied (`upright`): a camera or phone that stores a portrait photograph as landscape pixels
   plus an orientation tag is read the way every viewer shows it, so a factory's training photos, an export that has
   already rotated them, and an inspection station's request all read alike. A file whose EXIF block cannot be
@@ -51,14 +56,19 @@ from pathlib import Path
 
 import numpy as np
 
+from common.data import tiff
+
 SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".gif", ".pgm", ".ppm"})
 # How files become arrays here, for caches keyed by a file's bytes (`common.features.content_keys`): bump it when decoding
 # changes what an encoded file decodes to. 2: large JPEGs decoded at a reduced scale (`JPEG_DRAFT`); 3: EXIF orientation
-# applied (`upright`); 4: line-scan strips folded (`fold_strip`); 5: transparency flattened onto white (`flatten_alpha`).
-DECODE_VERSION = 5
+# applied (`upright`); 4: line-scan strips folded (`fold_strip`); 5: transparency flattened onto white (`flatten_alpha`);
+# 6: colour TIFFs of more than 8 bits per sample read by tifffile (`common.data.tiff`).
+DECODE_VERSION = 6
 STRIP_FOLD = 2.5  # a frame this many times as long as it is wide, or more, is folded into a mosaic (`fold_strip`)
 FOLDING_DECODE = 4  # the first decoding that folds strips: a model version recorded with an older one is fed them unfolded
 FLATTENING_DECODE = 5  # the first that flattens transparency: an older version is fed the colour under transparent pixels
+DEEP_COLOUR_DECODE = 6  # the first that reads deep colour TIFFs by tifffile: an older version is fed Pillow's 8-bit reading
+DEEP_PNG_RAWMODES = frozenset({"RGB;16B", "RGBA;16B", "LA;16B"})  # 16-bit colour (and grey + alpha) PNGs, read by Pillow's high byte
 ALPHA_BACKGROUND = (255, 255, 255)  # what transparent pixels show (`flatten_alpha`)
 ALPHA_MODES = frozenset({"RGBA", "RGBa", "LA", "La", "PA"})
 JPEG_DRAFT = 2  # a JPEG is decoded at the smallest DCT scale that keeps both sides >= JPEG_DRAFT x size
@@ -74,6 +84,11 @@ def folds(decoding: int) -> bool:
 def flattens(decoding: int) -> bool:
     """Whether images read for a model trained at ``decoding`` have their transparency flattened (`flatten_alpha`)."""
     return decoding >= FLATTENING_DECODE
+
+
+def reads_deep_colour(decoding: int) -> bool:
+    """Whether images read for a model trained at ``decoding`` read deep colour TIFFs by tifffile (`common.data.tiff`)."""
+    return decoding >= DEEP_COLOUR_DECODE
 
 
 class ImageError(ValueError):
@@ -206,7 +221,18 @@ def fold_strip(img: object) -> object:
     return out
 
 
-EXIF_ORIENTATION = 0x0112
+EXIF_ORIENTATION = 0x0112  # also TIFF's Orientation tag (274)
+
+
+def _orientation_transposes() -> dict[int, object]:
+    from PIL import Image
+
+    t = Image.Transpose
+    return {2: t.FLIP_LEFT_RIGHT, 3: t.ROTATE_180, 4: t.FLIP_TOP_BOTTOM, 5: t.TRANSPOSE, 6: t.ROTATE_270, 7: t.TRANSVERSE,
+            8: t.ROTATE_90}  # what `PIL.ImageOps.exif_transpose` does for each orientation
+
+
+ORIENTATION_TRANSPOSE = _orientation_transposes()
 
 
 def upright(img: object) -> object:
@@ -229,9 +255,19 @@ def _decode(source: object, size: int, channels: int, name: str, bit_depth: int,
 
     check_bit_depth(bit_depth)
     try:
+        if reads_deep_colour(decoding):
+            try:
+                deep = tiff.read_deep_colour(source, bit_depth, MAX_PIXELS)  # type: ignore[arg-type]
+            except tiff.DeepColourError as exc:
+                raise ImageError(f"{name}: {exc}") from exc
+            if deep is not None:
+                return deep_colour_to_array(*deep, size, channels, decoding)
         with Image.open(source) as img:  # type: ignore[arg-type]
             if img.width * img.height > MAX_PIXELS:
                 raise ImageError(f"{name}: {img.width}x{img.height} pixels exceeds the {MAX_PIXELS} pixel limit")
+            if reads_deep_colour(decoding) and bit_depth < 16 and img.format == "PNG" and _rawmode(img) in DEEP_PNG_RAWMODES:
+                raise ImageError(f"{name}: a 16-bit colour PNG cannot be read at bit-depth {bit_depth} (Pillow reads it by each "
+                                 "sample's high byte, as 16 significant bits): save it as a TIFF, or set bit-depth 16")
             if img.format == "JPEG":
                 img.draft(img.mode, (JPEG_DRAFT * size, JPEG_DRAFT * size))  # see the module doc: the same on every site
             img.load()  # raises on truncated files (LOAD_TRUNCATED_IMAGES stays off)
@@ -243,6 +279,29 @@ def _decode(source: object, size: int, channels: int, name: str, bit_depth: int,
         raise
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         raise ImageError(f"{name}: cannot decode image: {exc}") from exc
+
+
+def _rawmode(img: object) -> str:
+    """How Pillow will unpack ``img``'s first tile (before ``load``), e.g. ``RGB;16B``; "" when it does not say."""
+    tiles = getattr(img, "tile", None) or []
+    args = tiles[0].args if tiles else None
+    return args if isinstance(args, str) else (args[0] if isinstance(args, tuple) and args and isinstance(args[0], str) else "")
+
+
+def deep_colour_to_array(rgb: np.ndarray, orientation: int, size: int, channels: int, decoding: int = DECODE_VERSION) -> np.ndarray:
+    """A deep colour image (float (H, W, 3) in [0, 1], `common.data.tiff`) and its orientation tag as model input, channel by
+    channel as mode-F images so that no sample is rounded to 8 bits: turned (`upright`), folded if a strip, letterboxed.
+    Grey is ITU-R 601 luma, as Pillow's ``convert("L")``."""
+    from PIL import Image
+
+    planes = [rgb @ np.array([0.299, 0.587, 0.114])] if channels == 1 else [rgb[..., c] for c in range(3)]
+    transpose = ORIENTATION_TRANSPOSE.get(orientation)
+    out = []
+    for plane in planes:
+        img = Image.fromarray(np.ascontiguousarray(plane, dtype=np.float32), mode="F")
+        img = img.transpose(transpose) if transpose is not None else img
+        out.append(np.asarray(_fit(img, size, folds(decoding)), dtype=np.float32))
+    return np.clip(np.stack(out), 0.0, 1.0)
 
 
 def read_image(path: str | Path, size: int, channels: int = 1, bit_depth: int = DEFAULT_BIT_DEPTH) -> np.ndarray:
