@@ -333,11 +333,11 @@ def test_deep_colour_tiffs_read_as_their_eight_bit_copies_planar_interleaved_flo
     white[:, :10] = 1.0
     Image.fromarray(np.round(white * 255).astype(np.uint8)).save(tmp_path / "white.png")
     assert np.abs(read_image(tmp_path / "cut-out.tif", 32, channels=3) - read_image(tmp_path / "white.png", 32, channels=3)).max() < 0.01
-    with pytest.raises(ImageError, match=r"interleaved\.tif: colour TIFF with sample values up to 65535; expected 12-bit \(0\.\.4095\); "
+    with pytest.raises(ImageError, match=r"interleaved\.tif: colour TIFF with pixel values in \[0, 65535\]; expected 12-bit \(0\.\.4095\); "
                                          r"is it a camera's 16-bit image\? then bit-depth is 16"):
         read_image(tmp_path / "interleaved.tif", 32, channels=3, bit_depth=12)
     tifffile.imwrite(tmp_path / "counts.tif", (rgb * 1000).astype(np.float32), photometric="rgb")
-    with pytest.raises(ImageError, match=r"counts\.tif: float colour TIFF with sample values in \[0, 1000\]; expected \[0, 1\]"):
+    with pytest.raises(ImageError, match=r"counts\.tif: float colour TIFF with pixel values in \[0, 1000\]; expected \[0, 1\]"):
         read_image(tmp_path / "counts.tif", 32, channels=3)
     (tmp_path / "cut.tif").write_bytes((tmp_path / "planar.tif").read_bytes()[:2000])  # a copy that broke off
     with pytest.raises(ImageError, match=r"cut\.tif"):

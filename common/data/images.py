@@ -112,26 +112,32 @@ def check_bit_depth(bit_depth: int) -> int:
     return bit_depth
 
 
+def unit_range(values: np.ndarray, floating: bool, bit_depth: int, what: str) -> np.ndarray:
+    """Samples of more than 8 bits (float64) scaled into [0, 1]: floats taken as they are within [0, 1], integers by the
+    range of ``bit_depth`` bits; raises `ImageError` naming ``what`` for values that fit no known range (the module doc)."""
+    if not np.isfinite(values).all():
+        raise ImageError(f"{what} holds NaN or infinite pixels")
+    low, high = float(values.min()), float(values.max())
+    if floating:
+        if low < 0.0 or high > 1.0:
+            raise ImageError(f"{what} with pixel values in [{low:g}, {high:g}]; expected [0, 1]")
+        return values
+    scale = float(2**bit_depth - 1)
+    if low < 0.0 or high > scale:
+        raise ImageError(f"{what} with pixel values in [{low:g}, {high:g}]; expected {bit_depth}-bit (0..{scale:.0f})"
+                         + ("; is it a camera's 16-bit image? then bit-depth is 16" if bit_depth < 16 and high <= 65535 else ""))
+    return values / scale
+
+
 def _unit_grey(img: object, bit_depth: int = DEFAULT_BIT_DEPTH) -> object:
-    """A grey image of more than 8 bits (``HIGH_DEPTH_MODES``) as a float image (mode ``F``) in [0, 1], scaled by the
-    range of ``bit_depth`` bits; raises `ImageError` for values that fit no known range (see the module doc)."""
+    """A grey image of more than 8 bits (``HIGH_DEPTH_MODES``) as a float image (mode ``F``) in [0, 1] (`unit_range`)."""
     from PIL import Image
 
     assert isinstance(img, Image.Image)
     values = np.asarray(img, dtype=np.float64)  # every 16-bit byte order and I/F read as numbers
-    if not np.isfinite(values).all():
-        raise ImageError(f"{img.mode} image holds NaN or infinite pixels")
-    low, high = float(values.min()), float(values.max())
-    if img.mode == "F":
-        if low < 0.0 or high > 1.0:
-            raise ImageError(f"float (F) image with pixel values in [{low:g}, {high:g}]; expected [0, 1]")
-        scale = 1.0
-    else:
-        scale = float(2**bit_depth - 1)
-        if low < 0.0 or high > scale:
-            raise ImageError(f"{img.mode} image with pixel values in [{low:g}, {high:g}]; expected {bit_depth}-bit (0..{scale:.0f})"
-                             + ("; is it a camera's 16-bit image? then bit-depth is 16" if bit_depth < 16 and high <= 65535 else ""))
-    return Image.fromarray((values / scale).astype(np.float32), mode="F")
+    floating = img.mode == "F"
+    unit = unit_range(values, floating, bit_depth, "float (F) image" if floating else f"{img.mode} image")
+    return Image.fromarray(unit.astype(np.float32), mode="F")
 
 
 def to_array(img: object, size: int, channels: int, bit_depth: int = DEFAULT_BIT_DEPTH, decoding: int = DECODE_VERSION) -> np.ndarray:
@@ -257,11 +263,12 @@ def _decode(source: object, size: int, channels: int, name: str, bit_depth: int,
     try:
         if reads_deep_colour(decoding):
             try:
-                deep = tiff.read_deep_colour(source, bit_depth, MAX_PIXELS)  # type: ignore[arg-type]
-            except tiff.DeepColourError as exc:
+                deep = tiff.read_deep_colour(source, MAX_PIXELS)  # type: ignore[arg-type]
+                if deep is not None:
+                    rgb = unit_range(deep.samples, deep.floating, bit_depth, "float colour TIFF" if deep.floating else "colour TIFF")
+                    return deep_colour_to_array(deep.flattened(rgb), deep.orientation, size, channels, decoding)
+            except (tiff.DeepColourError, ImageError) as exc:
                 raise ImageError(f"{name}: {exc}") from exc
-            if deep is not None:
-                return deep_colour_to_array(*deep, size, channels, decoding)
         with Image.open(source) as img:  # type: ignore[arg-type]
             if img.width * img.height > MAX_PIXELS:
                 raise ImageError(f"{name}: {img.width}x{img.height} pixels exceeds the {MAX_PIXELS} pixel limit")
@@ -282,10 +289,9 @@ def _decode(source: object, size: int, channels: int, name: str, bit_depth: int,
 
 
 def _rawmode(img: object) -> str:
-    """How Pillow will unpack ``img``'s first tile (before ``load``), e.g. ``RGB;16B``; "" when it does not say."""
+    """How Pillow will unpack a PNG's first tile (before ``load``), e.g. ``RGB;16B``; "" when it does not say."""
     tiles = getattr(img, "tile", None) or []
-    args = tiles[0].args if tiles else None
-    return args if isinstance(args, str) else (args[0] if isinstance(args, tuple) and args and isinstance(args[0], str) else "")
+    return tiles[0].args if tiles and isinstance(tiles[0].args, str) else ""
 
 
 def deep_colour_to_array(rgb: np.ndarray, orientation: int, size: int, channels: int, decoding: int = DECODE_VERSION) -> np.ndarray:

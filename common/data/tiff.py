@@ -16,6 +16,7 @@ alpha channel (``ExtraSamples`` 1 or 2) is composited onto white, as `common.dat
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,26 +25,45 @@ TIFF_MAGIC = (b"II*\x00", b"MM\x00*")
 RGB_PHOTOMETRIC = 2
 SEPARATE_PLANES = 2
 FLOAT_SAMPLES, UNSIGNED_SAMPLES = 3, 1
-ALPHA_EXTRA_SAMPLES = {1: "associated", 2: "unassociated"}  # TIFF ExtraSamples: premultiplied, straight
+ASSOCIATED_ALPHA, UNASSOCIATED_ALPHA = 1, 2  # TIFF ExtraSamples: premultiplied, straight
 
 
 class DeepColourError(ValueError):
-    """A deep colour TIFF whose samples fit no known range, or that cannot be decoded; the message says why."""
+    """A deep colour TIFF that is too large or holds samples of no supported kind; the message says why."""
+
+
+@dataclass(frozen=True)
+class DeepColour:
+    """A deep colour TIFF's first page as stored: its samples as numbers, not yet scaled (the caller scales them by the
+    factory's bit depth, `common.data.images.unit_range`)."""
+
+    samples: np.ndarray  # float64 (H, W, S), S >= 3: R, G, B and any extra samples
+    floating: bool  # float samples (taken as they are within [0, 1]), else unsigned integers
+    alpha: int  # ASSOCIATED_ALPHA, UNASSOCIATED_ALPHA, or 0: no alpha channel
+    orientation: int  # the Orientation tag (1-8; 1 when absent)
+
+    def flattened(self, unit: np.ndarray) -> np.ndarray:
+        """The scaled samples ``unit`` (H, W, S) in [0, 1] as RGB, an alpha channel composited onto white; an alpha that
+        hides every pixel is not meant as one (as `common.data.images.flatten_alpha`), so such an image reads as its colours."""
+        rgb = unit[..., :3]
+        if not self.alpha or not unit[..., 3].any():
+            return rgb
+        a = unit[..., 3:4]
+        return (rgb if self.alpha == ASSOCIATED_ALPHA else rgb * a) + (1.0 - a)
 
 
 def _is_tiff(source: Path | io.BytesIO) -> bool:
     if isinstance(source, io.BytesIO):
-        head = source.getvalue()[:4]
+        head = bytes(source.getbuffer()[:4])  # not getvalue(): that copies the whole request
     else:
         with open(source, "rb") as f:
             head = f.read(4)
     return head in TIFF_MAGIC
 
 
-def read_deep_colour(source: Path | io.BytesIO, bit_depth: int, max_pixels: int) -> tuple[np.ndarray, int] | None:
-    """``(rgb, orientation)`` for a colour TIFF of more than 8 bits per sample: float64 (H, W, 3) in [0, 1] as stored
-    (transparency flattened onto white) and its ``Orientation`` tag (1-8); None for any other file, which Pillow reads.
-    Raises `DeepColourError` for samples out of range or a file tifffile cannot decode."""
+def read_deep_colour(source: Path | io.BytesIO, max_pixels: int) -> DeepColour | None:
+    """The first page of a colour TIFF of more than 8 bits per sample; None for any other file, which Pillow reads.
+    Raises `DeepColourError` for an image over ``max_pixels`` or samples that are neither unsigned nor float."""
     if not _is_tiff(source):
         return None
     import tifffile
@@ -62,6 +82,7 @@ def read_deep_colour(source: Path | io.BytesIO, bit_depth: int, max_pixels: int)
             orientation = int(orientation_tag.value) if orientation_tag is not None else 1
             extra = tuple(page.extrasamples)
             sample_format = int(page.sampleformat)
+            planar = page.planarconfig == SEPARATE_PLANES
     except DeepColourError:
         raise
     except Exception:  # noqa: BLE001 - a TIFF tifffile cannot parse: Pillow reads it, or says why it cannot
@@ -69,37 +90,9 @@ def read_deep_colour(source: Path | io.BytesIO, bit_depth: int, max_pixels: int)
     finally:
         if isinstance(source, io.BytesIO):
             source.seek(0)
-    if page.planarconfig == SEPARATE_PLANES:
+    if sample_format not in (FLOAT_SAMPLES, UNSIGNED_SAMPLES):
+        raise DeepColourError(f"colour TIFF of signed {data.dtype} samples; expected unsigned integers or floats in [0, 1]")
+    if planar:
         data = np.moveaxis(data, 0, -1)
-    values = _unit(np.asarray(data, dtype=np.float64), sample_format, data.dtype, bit_depth)
-    rgb = values[..., :3]
-    if extra and extra[0] in ALPHA_EXTRA_SAMPLES and values.shape[-1] > 3:
-        rgb = _onto_white(rgb, values[..., 3], premultiplied=extra[0] == 1)
-    return rgb, orientation
-
-
-def _unit(values: np.ndarray, sample_format: int, dtype: np.dtype, bit_depth: int) -> np.ndarray:
-    """Samples scaled into [0, 1] (the module doc), or `DeepColourError` saying which range they fit."""
-    if not np.isfinite(values).all():
-        raise DeepColourError("colour TIFF holds NaN or infinite samples")
-    low, high = float(values.min()), float(values.max())
-    if sample_format == FLOAT_SAMPLES:
-        if low < 0.0 or high > 1.0:
-            raise DeepColourError(f"float colour TIFF with sample values in [{low:g}, {high:g}]; expected [0, 1]")
-        return values
-    if sample_format != UNSIGNED_SAMPLES:
-        raise DeepColourError(f"colour TIFF of signed {dtype} samples; expected unsigned integers or floats in [0, 1]")
-    scale = float(2**bit_depth - 1)
-    if high > scale:
-        raise DeepColourError(f"colour TIFF with sample values up to {high:g}; expected {bit_depth}-bit (0..{scale:.0f})"
-                              + ("; is it a camera's 16-bit image? then bit-depth is 16" if bit_depth < 16 and high <= 65535 else ""))
-    return values / scale
-
-
-def _onto_white(rgb: np.ndarray, alpha: np.ndarray, premultiplied: bool) -> np.ndarray:
-    """``rgb`` composited onto white by ``alpha``; an alpha that hides every pixel is not meant as one (as
-    `common.data.images.flatten_alpha`), so ``rgb`` is then returned as it is."""
-    if not alpha.any():
-        return rgb
-    a = alpha[..., None]
-    return (rgb if premultiplied else rgb * a) + (1.0 - a)
+    alpha = extra[0] if extra and extra[0] in (ASSOCIATED_ALPHA, UNASSOCIATED_ALPHA) and data.shape[-1] > 3 else 0
+    return DeepColour(np.asarray(data, dtype=np.float64), sample_format == FLOAT_SAMPLES, alpha, orientation)
