@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import time
 from pathlib import Path
 
@@ -13,9 +14,18 @@ import common  # noqa: F401  # first: it turns gRPC's fork handlers off before a
 
 WATCHED = ("flower-superlink", "flower-supernode", "client.supernode", "flwr-serverapp", "flwr-clientapp", "fedforge", "common.cli")
 
+# Every process this test process starts inherits this variable (FedForge and Flower pass their environment on to
+# the processes they spawn), so the process checks below see this session's processes only: pytest-xdist runs
+# another worker's federations on the same machine at the same time, and its processes are neither leftovers of
+# ours nor ours to kill.
+SESSION_MARKER = "FEDFORGE_TEST_SESSION"
+os.environ[SESSION_MARKER] = f"{os.getpid()}-{secrets.token_hex(4)}"
+_MARKER_ENTRY = f"{SESSION_MARKER}={os.environ[SESSION_MARKER]}".encode()
+
 
 def federation_pids() -> set[int]:
-    """PIDs of every live Flower or FedForge process on this machine (zombies excluded)."""
+    """PIDs of every live Flower or FedForge process that this test session started, directly or not (zombies
+    excluded): those whose environment carries this session's marker."""
     pids = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -23,11 +33,12 @@ def federation_pids() -> set[int]:
         try:
             argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            ours = _MARKER_ENTRY in (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
         cmdline = " ".join(argv)
         is_test_runner = any(Path(a).name in ("pytest", "py.test") for a in argv[:2]) or "-m pytest" in cmdline
-        if state != "Z" and any(w in cmdline for w in WATCHED) and not is_test_runner:
+        if ours and state != "Z" and any(w in cmdline for w in WATCHED) and not is_test_runner:
             pids.add(int(entry.name))
     return pids
 

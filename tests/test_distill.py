@@ -34,7 +34,9 @@ PROXY, CLASSES = 32, 6
 def _config(tmp_path, local_epochs=1, **kw):
     base = {"num_server_rounds": 1, "test_size": 60, "validation_size": 60, "proxy_size": PROXY, "distill_epochs": 2, "wait_for_factories": 5,
                 "round_timeout": 60, "secagg_timeout": 60, "registry_dir": str(tmp_path / "registry"), "min_factories": 2, "federated_evaluation": False}
-    return FederationConfig(**{**base, **kw}, training=TrainConfig(epochs=local_epochs))
+    # no personal fine-tunes: these tests are about distillation, and an agent's stop waits for its fine-tune, which runs
+    # at the lowest CPU priority (ten epochs of a from-scratch CNN per agent took minutes beside another test's federation)
+    return FederationConfig(**{**base, **kw}, training=TrainConfig(epochs=local_epochs, personal_epochs=0))
 
 
 def uniform(server_round: int) -> np.ndarray:
