@@ -348,3 +348,26 @@ def test_a_process_identity_survives_pid_reuse_and_names_only_this_host():
     proc.kill()
     proc.wait()
     assert process_gone(identity)
+
+
+def test_the_leftover_process_check_counts_this_sessions_processes_and_no_one_elses():
+    """`tests.conftest.federation_pids` (what `no_leftover_processes` kills) sees a process this session started, and its
+    children, by the marker they inherit; a FedForge process of another session (another pytest-xdist worker) it leaves
+    alone."""
+    from tests.conftest import SESSION_MARKER, federation_pids
+
+    sleeper = [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen(sys.argv[1:]); time.sleep(60)",
+               sys.executable, "-c", "import time; time.sleep(60)", "fedforge"]  # both command lines name fedforge
+    others_env = {k: v for k, v in os.environ.items() if k != SESSION_MARKER}
+    ours = subprocess.Popen(sleeper, start_new_session=True)
+    others = subprocess.Popen(sleeper, env=others_env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while len(seen := federation_pids()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ours.pid in seen and len(seen) == 2, seen  # the sleeper and the child it started
+        assert others.pid not in seen
+    finally:
+        for proc in (ours, others):
+            os.killpg(proc.pid, signal.SIGKILL)  # the sleeper and its child
+            proc.wait()
