@@ -293,6 +293,13 @@ def test_sixteen_bit_and_float_camera_images_keep_their_range(tmp_path):
     Image.fromarray(ramp.astype(np.int32) * 10).save(tmp_path / "wide.tif")  # 32-bit integers beyond 16 bits
     with pytest.raises(ImageError, match=r"wide\.tif: .*expected 16-bit \(0\.\.65535\)"):
         read_image(tmp_path / "wide.tif", 32)
+    import tifffile  # 32-bit unsigned samples, which Pillow reads into its signed mode I: small values as they are
+    tifffile.imwrite(tmp_path / "unsigned.tif", ramp.astype(np.uint32))
+    assert np.array_equal(read_image(tmp_path / "unsigned.tif", 32), read_image(tmp_path / "sixteen.tif", 32))
+    tifffile.imwrite(tmp_path / "huge.tif", ramp.astype(np.uint32) * 65537)  # up to 2**32 - 1: refused by its true range
+    with pytest.raises(ImageError, match=r"huge\.tif: 32-bit unsigned grey image with pixel values in \[0, 4\.29497e\+09\]; "
+                                         r"expected 16-bit \(0\.\.65535\)"):
+        read_image(tmp_path / "huge.tif", 32)
 
 
 def test_deep_colour_tiffs_read_as_their_eight_bit_copies_planar_interleaved_float_and_twelve_bit(tmp_path):

@@ -26,7 +26,8 @@ and an inspection station's request are resized the same way:
   more bits, as industrial cameras write them, are scaled by their container's range: 16-bit (``I;16``, and
   ``I`` with values within 0..65535) by 65535, float (``F``) taken as it is when within [0, 1]. Pillow's own
   ``convert("L")`` clips such pixels at 255, which turns a 16-bit image white; values outside those ranges are
-  refused naming the file, never guessed. A camera that writes 12 significant bits into the low bits of a 16-bit
+  refused naming the file, never guessed (a 32-bit unsigned TIFF, which Pillow reads into its signed ``I``, by its
+  true range). A camera that writes 12 significant bits into the low bits of a 16-bit
   container (Mono12 as 0..4095) sets ``bit_depth`` 12 (``fedforge client --bit-depth 12``, the run's ``data-bit-depth``
   for the central site's folders): its images are then scaled by 4095, and a pixel above it is refused. Left at 16, such
   images read dark (0..0.06), which cost 10 points of global accuracy on a held-out data set (docs/benchmarks.md).
@@ -277,8 +278,11 @@ def _decode(source: object, size: int, channels: int, name: str, bit_depth: int,
                                  "sample's high byte, as 16 significant bits): save it as a TIFF, or set bit-depth 16")
             if img.format == "JPEG":
                 img.draft(img.mode, (JPEG_DRAFT * size, JPEG_DRAFT * size))  # see the module doc: the same on every site
+            unsigned_32 = _is_unsigned_32(_rawmode(img))
             img.load()  # raises on truncated files (LOAD_TRUNCATED_IMAGES stays off)
             try:
+                if unsigned_32:
+                    _check_unsigned_32(img, bit_depth)
                 return to_array(upright(img), size, channels, bit_depth, decoding)
             except ImageError as exc:
                 raise ImageError(f"{name}: {exc}") from exc
@@ -289,9 +293,27 @@ def _decode(source: object, size: int, channels: int, name: str, bit_depth: int,
 
 
 def _rawmode(img: object) -> str:
-    """How Pillow will unpack a PNG's first tile (before ``load``), e.g. ``RGB;16B``; "" when it does not say."""
+    """How Pillow will unpack an image's first tile (before ``load``), e.g. ``RGB;16B`` (a PNG) or ``I;32N`` (a TIFF's
+    ``(rawmode, ...)``); "" when it does not say."""
     tiles = getattr(img, "tile", None) or []
-    return tiles[0].args if tiles and isinstance(tiles[0].args, str) else ""
+    args = tiles[0].args if tiles else None
+    if isinstance(args, tuple) and args:
+        args = args[0]
+    return args if isinstance(args, str) else ""
+
+
+def _is_unsigned_32(rawmode: str) -> bool:
+    """Whether Pillow unpacks 32-bit *unsigned* grey samples (``I;32``, ``I;32N``, ``I;32B``...) into its signed mode ``I``,
+    where a value of 2**31 or more reads as a negative number."""
+    return rawmode.startswith("I;32") and not rawmode.endswith("S")
+
+
+def _check_unsigned_32(img: object, bit_depth: int) -> None:
+    """Refuse a 32-bit unsigned grey image whose values Pillow read as negative, by its true range (`unit_range`'s message),
+    not by the wrapped one; smaller values read as they are."""
+    values = np.asarray(img)
+    if values.dtype == np.int32 and values.size and int(values.min()) < 0:
+        unit_range(values.view(np.uint32).astype(np.float64), False, bit_depth, "32-bit unsigned grey image")
 
 
 def deep_colour_to_array(rgb: np.ndarray, orientation: int, size: int, channels: int, decoding: int = DECODE_VERSION) -> np.ndarray:
