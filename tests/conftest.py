@@ -32,13 +32,15 @@ def federation_pids() -> set[int]:
             continue
         try:
             argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            cmdline = " ".join(argv)
+            is_test_runner = any(Path(a).name in ("pytest", "py.test") for a in argv[:2]) or "-m pytest" in cmdline
+            if is_test_runner or not any(w in cmdline for w in WATCHED):
+                continue
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            ours = _MARKER_ENTRY in (entry / "environ").read_bytes().split(b"\0")
+            ours = _MARKER_ENTRY in (entry / "environ").read_bytes().split(b"\0")  # read only for the few watched ones
         except OSError:
             continue
-        cmdline = " ".join(argv)
-        is_test_runner = any(Path(a).name in ("pytest", "py.test") for a in argv[:2]) or "-m pytest" in cmdline
-        if ours and state != "Z" and any(w in cmdline for w in WATCHED) and not is_test_runner:
+        if ours and state != "Z":
             pids.add(int(entry.name))
     return pids
 
