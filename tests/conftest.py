@@ -107,8 +107,16 @@ def no_leftover_processes():
 def _one_feature_cache(tmp_path_factory):
     """Every FedForge process the suite starts shares one backbone feature cache (``FEDFORGE_FEATURE_CACHE``): many tests
     federate the same generated images, and each image then goes through the backbone once per suite, not once per
-    test and process. Tests of the cache itself open their own."""
-    path = tmp_path_factory.mktemp("feature-cache") / "features.db"
+    test and process. Under pytest-xdist the workers share it too (it sits beside their own temporary folders): the
+    demo's and compose's factories, say, hold the same 1,800 images, and the two tests often run in different workers.
+    SQLite in WAL mode takes the workers' concurrent writes (`common.features.FeatureCache`). Tests of the cache
+    itself open their own."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = tmp_path_factory.getbasetemp().parent / "feature-cache-shared"
+        folder.mkdir(exist_ok=True)
+    else:
+        folder = tmp_path_factory.mktemp("feature-cache")
+    path = folder / "features.db"
     os.environ["FEDFORGE_FEATURE_CACHE"] = str(path)
     yield path
     os.environ.pop("FEDFORGE_FEATURE_CACHE", None)

@@ -74,6 +74,7 @@ def test_compose_file_validates():
                    for name, svc in (("agent", agent), ("node", node))}
         assert agent["network_mode"] == "none" and agent["command"][0] == "agent" and node["command"][0] == "supernode"
         assert agent["command"][agent["command"].index("--agent-listen") + 1] == "unix:/run/fedforge/agent.sock"
+        assert agent["command"][agent["command"].index("--train-size") + 1] == "600"  # DEMO_TRAIN_SIZE unset: the demo's size
         assert node["command"][node["command"].index("--agent-address") + 1] == "unix:/run/fedforge/agent.sock"
         assert f"factory-{f}-socket" in volumes["agent"] and f"factory-{f}-socket" in volumes["node"]
         assert {f"factory-{f}-state", f"factory-{f}-data"} <= set(volumes["agent"]) and not {f"factory-{f}-state", f"factory-{f}-data"} & set(volumes["node"])
@@ -115,7 +116,7 @@ def test_compose_commands_run_as_local_processes(tmp_path, no_leftover_processes
         "CENTRAL_HOST": "127.0.0.1", "BIND_HOST": "127.0.0.1", "SUPERLINK_PORT": str(free_port()), "SUPERLINK_LOCAL_PORT": str(free_port()),
         "REGISTRY_PORT": str(free_port()),
         "DASHBOARD_PORT": str(free_port()), "REGISTER_HOME": str(tmp_path / "register"), "RUN_HOME": str(tmp_path / "run"), "ROUNDS": "2",
-        "ROUND_TIMEOUT": "30.0",
+        "ROUND_TIMEOUT": "30.0", "DEMO_TRAIN_SIZE": "200",  # the deployment's wiring, not its accuracy: a third of the backbone passes
     }
     for f in ("A", "B", "C"):  # each factory's agent and SuperNode share only the agent's socket, as their containers do
         (tmp_path / f"socket-{f.lower()}").mkdir()
