@@ -239,7 +239,8 @@ def test_central_site_crashes_resume_from_the_registry(tmp_path, no_leftover_pro
     with ProcessSet(tmp_path / "logs") as procs:
         fed = LocalFederation(tmp_path, procs, num_factories=2, train_size=200, secure=False,
                               central_flags=["--rounds", "3", "--set", "local-epochs=1", "--set", "min-factories=2", "--set", "expected-factories=2",
-                                             "--set", "architecture='cnn-small'", "--set", "personal-epochs=0", "--set", "federated-evaluation=false"])
+                                             "--set", "architecture='cnn-small'", "--set", "personal-epochs=0", "--set", "federated-evaluation=false",
+                                             "--set", "test-size=120"])
         fed.start()
         registry = Registry.at(fed.registry_dir)
 

@@ -65,7 +65,8 @@ def test_killed_agent_is_left_out_and_the_next_round_proceeds(tmp_path, no_lefto
         fed = LocalFederation(root, procs, num_factories=3, train_size=300)
         fed.start(separate_agents=frozenset({2}))
         flwr_run_id = fed.submit(fed.run_config(2, **{"min-factories": 2, "round-timeout": 120.0, "local-epochs": 1, "architecture": "cnn-small",
-                                                      "personal-epochs": 0, "federated-evaluation": False}))
+                                                      "personal-epochs": 0, "federated-evaluation": False,
+                                                      "test-size": 120}))  # no figure is checked: a small central test set
         registry, run_id = Registry.at(fed.registry_dir), f"run-{flwr_run_id}"
 
         deadline = time.monotonic() + 300
@@ -92,7 +93,7 @@ def test_demo_with_dp_and_ddp(tmp_path, no_leftover_processes):
     proc = subprocess.run(
         [sys.executable, "-m", "common.cli", "demo", "--factories", "2", "--rounds", "2", "--local-epochs", "1", "--train-size", "200",
          "--dp", "--epsilon", "8", "--parallelism", "ddp", "--local-world-size", "2", "--min-factories", "2", "--no-secure",
-         "--architecture", "cnn-small", "--set", "personal-epochs=0",  # DDP trains from-scratch CNNs (a frozen backbone's head trains in-process)
+         "--architecture", "cnn-small", "--set", "personal-epochs=0", "--set", "test-size=120",  # DDP trains from-scratch CNNs (a frozen backbone's head trains in-process)
          "--workdir", str(tmp_path / "demo"), "--json", str(summary_path)],
         capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + log_tails(tmp_path / "demo")

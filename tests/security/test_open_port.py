@@ -71,7 +71,7 @@ def test_only_the_fleet_api_faces_the_network(tmp_path, no_leftover_processes):
 
         # 3. The operator on the central host submits through the loopback port; registered factories train through nginx.
         flwr_run_id = fed.submit(fed.run_config(1, **{"architecture": "cnn-small", "local-epochs": 1, "personal-epochs": 0, "min-factories": 3,
-                                                      "federated-evaluation": False}))
+                                                      "federated-evaluation": False, "test-size": 120}))
         registry = Registry.at(fed.registry_dir)
         run = wait_for_run(registry, f"run-{flwr_run_id}", timeout=300, procs=procs)
     assert run.status == "finished", run.error
