@@ -52,7 +52,10 @@ def _global():
 
 
 def _cfg(tmp_path, **kw):
-    base = {"factory_id": "dp-plant", "train_size": 96, "dp": True, "dp_epsilon": 4.0, "dp_planned_rounds": 4, "state_dir": str(tmp_path / "state")}
+    # no personal model: these tests are about what leaves the factory and what it costs, and a personal fine-tune (ten
+    # local epochs, in a thread beside the next test) costs each train() call seconds
+    base = {"factory_id": "dp-plant", "train_size": 96, "dp": True, "dp_epsilon": 4.0, "dp_planned_rounds": 4, "state_dir": str(tmp_path / "state"),
+            "personalize": False}
     return AgentConfig(**{**base, **kw})
 
 
