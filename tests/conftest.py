@@ -103,6 +103,21 @@ def no_leftover_processes():
         pytest.fail(f"processes left running: {described}")
 
 
+REPO = Path(__file__).resolve().parents[1]
+WRITTEN_BY_TOOLS = frozenset({".pytest_cache", ".hypothesis", ".ruff_cache", "test-artifacts", "__pycache__"})
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _checkout_stays_clean():
+    """No test writes into the checkout. A component left at a default relative path (an agent's ``fedforge-factory``
+    state folder, say) writes into the working directory, where .gitignore hides it and the next run reads it back:
+    a personal model or a privacy ledger carried from one run of the suite into the next."""
+    before = {p.name for p in REPO.iterdir()}
+    yield
+    written = {p.name for p in REPO.iterdir()} - before - WRITTEN_BY_TOOLS
+    assert not written, f"the tests wrote {sorted(written)} into the checkout {REPO}: give the component a tmp_path"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _one_feature_cache(tmp_path_factory):
     """Every FedForge process the suite starts shares one backbone feature cache (``FEDFORGE_FEATURE_CACHE``): many tests

@@ -18,9 +18,9 @@ from common.tensors import from_tensors, to_tensors
 
 
 @pytest.fixture(scope="module")
-def agent():
-    address = f"127.0.0.1:{free_port()}"
-    server = serve(AgentConfig(factory_id="plant-7", listen=address, train_size=64))
+def agent(tmp_path_factory):
+    address = f"127.0.0.1:{free_port()}"  # its own state folder: the default, ./fedforge-factory, is the working directory's
+    server = serve(AgentConfig(factory_id="plant-7", listen=address, train_size=64, state_dir=str(tmp_path_factory.mktemp("plant-7"))))
     channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
     yield edge_pb2_grpc.EdgeAgentStub(channel)
     channel.close()
