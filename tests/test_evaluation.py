@@ -57,8 +57,9 @@ def test_secure_sum_of_confusion_matrices_is_the_plain_sum_per_group():
 
 @pytest.fixture
 def agents(tmp_path):
+    """Three real edge agents; no personal models (what is evaluated here is the global model)."""
     started = [serve(AgentConfig(factory_id=f"factory-{i}", listen=f"127.0.0.1:{free_port()}", factory_index=i, num_factories=3, train_size=60,
-                                 alpha=0.5, state_dir=str(tmp_path / f"factory-{i}"))) for i in range(3)]
+                                 alpha=0.5, personalize=False, state_dir=str(tmp_path / f"factory-{i}"))) for i in range(3)]
     yield started
     for agent in started:
         agent.stop(0)
@@ -116,7 +117,7 @@ def test_secure_and_plain_rounds_produce_the_same_model(tmp_path):
     finals = {}
     for secure in (True, False):
         started = [serve(AgentConfig(factory_id=f"factory-{i}", listen=f"127.0.0.1:{free_port()}", factory_index=i, num_factories=3,
-                                     train_size=60, state_dir=str(tmp_path / f"{secure}-{i}"))) for i in range(3)]
+                                     train_size=60, personalize=False, state_dir=str(tmp_path / f"{secure}-{i}"))) for i in range(3)]
         try:
             grid = ScriptedGrid({i + 1: agent_node(agent, {}) for i, agent in enumerate(started)})
             cfg = _config(tmp_path / str(secure), secure_aggregation=secure, federated_evaluation=False)
