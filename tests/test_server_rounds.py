@@ -342,7 +342,7 @@ def test_sparse_secagg_graph_survives_a_dropout_and_factories_answer_only_for_ne
     survivor is asked to unmask only its own neighbourhood (factories that are not factory-6's neighbours are never
     told about it), the threshold is two thirds of a neighbourhood, and the sum of the survivors comes out exact."""
     agents = [serve(AgentConfig(factory_id=f"factory-{i}", listen=f"127.0.0.1:{free_port()}", factory_index=i, num_factories=7, train_size=40,
-                                architecture="cnn-small", state_dir=str(tmp_path / "factories" / f"factory-{i}"))) for i in range(7)]
+                                architecture="cnn-small", personalize=False, state_dir=str(tmp_path / "factories" / f"factory-{i}"))) for i in range(7)]
     recorded: dict[str, list] = {}
     unmask_requests: dict[str, dict] = {}
     drops = lambda msg, factory_id: factory_id == "factory-6" and msg.metadata.message_type == "train"
@@ -395,10 +395,10 @@ def test_the_automatic_degree_keeps_every_neighbourhood_above_its_threshold_and_
 
 @pytest.fixture(scope="module")
 def seven_agents(tmp_path_factory):
-    """Seven real edge agents (cnn-small, 40 images each), shared by the sparse-graph dropout cases."""
+    """Seven real edge agents (cnn-small, 40 images each, no personal models), shared by the sparse-graph dropout cases."""
     root = tmp_path_factory.mktemp("sparse")
     agents = [serve(AgentConfig(factory_id=f"factory-{i}", listen=f"127.0.0.1:{free_port()}", factory_index=i, num_factories=7, train_size=40,
-                                architecture="cnn-small", state_dir=str(root / f"factory-{i}"))) for i in range(7)]
+                                architecture="cnn-small", personalize=False, state_dir=str(root / f"factory-{i}"))) for i in range(7)]
     yield agents
     for agent in agents:
         agent.stop(0)
