@@ -123,7 +123,9 @@ def _one_feature_cache(tmp_path_factory):
     """Every FedForge process the suite starts shares one backbone feature cache (``FEDFORGE_FEATURE_CACHE``): many tests
     federate the same generated images, and each image then goes through the backbone once per suite, not once per
     test and process. Under pytest-xdist the workers share it too (it sits beside their own temporary folders): the
-    demo's and compose's factories, say, hold the same 1,800 images, and the two tests often run in different workers.
+    dashboard tests' demo and compose's factories, say, hold the same 600 images and often run in different workers
+    (in one suite run, compose read all 600 from the dashboard demo's rows; two workers that compute the same images at
+    the same moment both compute them).
     SQLite in WAL mode takes the workers' concurrent writes (`common.features.FeatureCache`). Tests of the cache
     itself open their own."""
     if os.environ.get("PYTEST_XDIST_WORKER"):

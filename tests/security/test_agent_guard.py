@@ -298,7 +298,8 @@ def test_a_malformed_vector_never_leaves_a_group_member_alone_in_the_sum(tmp_pat
                 reply.content["arrays"] = ArrayRecord(OrderedDict(masked=Array(masked[:-3].copy())))
             return reply
         handlers[5] = corrupt
-        cfg = FederationConfig(architecture="cnn-small", num_server_rounds=1, test_size=60,  # 64 px, the CNNs' size wait_for_factories=5, round_timeout=60, secagg_timeout=60, min_factories=2,
+        cfg = FederationConfig(architecture="cnn-small",  # 64 px images, the CNNs' size (the pretrained default reads 128)
+                               num_server_rounds=1, test_size=60, wait_for_factories=5, round_timeout=60, secagg_timeout=60, min_factories=2,
                                registry_dir=str(tmp_path / "registry"), secagg_threshold=3, federated_evaluation=False,
                                training=TrainConfig(epochs=1, personal_epochs=0))
         Federation(ScriptedGrid(handlers), cfg, flwr_run_id="77").run()
