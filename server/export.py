@@ -1,5 +1,10 @@
-"""Export of an approved version for deployment: TorchScript (and ONNX when `onnx` is installed),
-optionally with dynamic int8 quantization of the linear layers, and the accuracy delta it costs.
+"""Export of an approved version for deployment: a `torch.export` program (``.pt2``), TorchScript (and ONNX when `onnx`
+is installed), optionally with dynamic int8 quantization of the linear layers, and the accuracy delta it costs.
+
+Why both PyTorch formats: torch 2.13 deprecates TorchScript (``torch.jit.trace`` and ``torch.jit.load`` warn that they
+are going away and name `torch.export` instead), while edge runtimes built on older torch load only TorchScript. The
+``.pt2`` file loads with ``torch.export.load(path).module()`` and takes any batch size; TorchScript stays for them.
+Dynamic int8 modules do not pass through `torch.export`, so a quantized export writes TorchScript only, and says so.
 """
 
 from __future__ import annotations
@@ -77,11 +82,15 @@ def export_version(registry: Registry, version_id: str, out_dir: str | Path, qua
         q_acc = evaluate(deployed, test).accuracy if test is not None else None
     suffix = "-int8" if quantize else ""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")  # the tracer's notes and its own deprecation (the module doc)
         scripted = torch.jit.trace(deployed, example)
     ts_path = out / f"{version_id}{suffix}.torchscript.pt"
     scripted.save(str(ts_path))
     files.append(str(ts_path))
+    if quantize:
+        skipped.append("pt2: dynamic int8 modules do not export with torch.export; export without --quantize")
+    else:
+        files.append(str(_export_program(model, example, out / f"{version_id}.pt2")))
     if onnx:
         if importlib.util.find_spec("onnx") is None:
             skipped.append("onnx: the `onnx` package is not installed (pip install onnx onnxscript)")
@@ -95,3 +104,11 @@ def export_version(registry: Registry, version_id: str, out_dir: str | Path, qua
     report = ExportReport(version_id, files, accuracy, q_acc, None if q_acc is None or accuracy is None else q_acc - accuracy, skipped)
     (out / f"{version_id}{suffix}.export.json").write_text(json.dumps({**asdict(report), "manifest": json.loads(version.manifest)}, indent=2))
     return report
+
+
+def _export_program(model: torch.nn.Module, example: torch.Tensor, path: Path) -> Path:
+    """``model`` as a `torch.export` program with a dynamic batch dimension, saved at ``path`` (the module doc)."""
+    batch = torch.export.Dim("batch", min=1, max=1 << 16)
+    program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
+    torch.export.save(program, str(path))
+    return path

@@ -172,7 +172,7 @@ def models_rollback(version_id: str, registry_dir: str, actor: str | None, relea
 @click.option("--test-data", default=None, type=click.Path(file_okay=False, exists=True), help="Image folder for the accuracy check.")
 @click.option("--bit-depth", default=16, type=click.IntRange(8, 16), help="Significant bits of its 16-bit grey images and colour TIFFs (12: Mono12 as 0..4095).")
 def models_export(version_id: str, registry_dir: str, out_dir: str, quantize: bool, test_data: str | None, bit_depth: int) -> None:
-    """Export an approved version (TorchScript, ONNX when installed), reporting the accuracy delta."""
+    """Export an approved version (a torch.export .pt2 program, TorchScript, ONNX when installed), reporting the accuracy delta."""
     from common.data.folder import load_image_folder
     from server.export import export_version, input_of
 

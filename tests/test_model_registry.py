@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 from collections import OrderedDict
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -244,12 +245,14 @@ def test_export_torchscript_and_int8_with_accuracy_delta(registry_factory, tmp_p
     plain = export_version(reg, v.id, tmp_path / "out", test_data=test)
     q = export_version(reg, v.id, tmp_path / "out", quantize=True, test_data=test)
     assert q.accuracy_delta is not None and abs(q.accuracy_delta) <= 0.1
-    scripted = torch.jit.load(plain.files[0])
+    scripted, program = torch.jit.load(plain.files[0]), torch.export.load(plain.files[1]).module()
     x = torch.from_numpy(test.images[:4])
     model = build_model("cnn-small", 6)
     model.load_state_dict({k: torch.from_numpy(w) for k, w in weights.items()})
     model.eval()
     torch.testing.assert_close(scripted(x), model(x))
+    torch.testing.assert_close(program(x), model(x))
+    assert [Path(f).suffix for f in q.files] == [".pt"] and any(s.startswith("pt2:") for s in q.skipped)  # int8: TorchScript only
     assert (tmp_path / "out" / f"{v.id}-int8.export.json").exists()
 
 

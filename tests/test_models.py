@@ -179,11 +179,14 @@ def test_head_only_versions_sign_and_export_to_the_same_predictions(tmp_path):
     registry.approve(v.id, actor="qa")
     data = datasets.test_dataset(datasets.SyntheticSpec(), 12)
     report = export_version(registry, v.id, tmp_path / "out", onnx=False, test_data=data)
-    scripted = torch.jit.load(report.files[0])
+    scripted, program = torch.jit.load(report.files[0]), torch.export.load(report.files[1]).module()
+    assert report.files[1].endswith(".pt2")
     x = torch.from_numpy(data.images)
     with torch.no_grad():
         expected = load_weights(build_model(ARCH, 6), registry.load_weights(v.id)).eval()(x)
         torch.testing.assert_close(scripted(x), expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(program(x), expected, atol=1e-4, rtol=1e-4)  # any batch size: 12 here, 1 below
+        torch.testing.assert_close(program(x[:1]), expected[:1], atol=1e-4, rtol=1e-4)
     assert report.accuracy == pytest.approx(float((expected.argmax(1).numpy() == data.labels).mean()))
 
 
