@@ -270,6 +270,30 @@ def test_a_photographs_exif_orientation_is_applied_as_a_viewer_shows_it(tmp_path
         assert np.array_equal(decode_image_bytes(broken, 32), decode_image_bytes(plain, 32))
 
 
+def test_cmyk_images_read_like_their_rgb_originals(tmp_path):
+    """CMYK JPEGs and TIFFs (8 and 16 bits per sample), as image-management and print workflows write them, read as the
+    RGB picture they hold, in colour and in grey, from a folder and from an inspection request alike."""
+    import tifffile
+
+    from common.data.images import decode_image_bytes
+
+    rng = np.random.default_rng(2)
+    rgb = (rng.random((40, 60, 3)) * 255).astype(np.uint8)
+    rgb[:, :20] = (200, 30, 30)  # a red band: CMYK read as anything but colour loses it
+    Image.fromarray(rgb).save(tmp_path / "rgb.png")
+    cmyk = Image.fromarray(rgb).convert("CMYK")
+    cmyk.save(tmp_path / "cmyk.jpg", quality=98)
+    cmyk.save(tmp_path / "cmyk.tif")
+    tifffile.imwrite(tmp_path / "cmyk16.tif", np.asarray(cmyk).astype(np.uint16) * 257, photometric="separated")
+    for channels in (3, 1):
+        original = read_image(tmp_path / "rgb.png", 32, channels)
+        for name in ("cmyk.jpg", "cmyk.tif", "cmyk16.tif"):
+            read = read_image(tmp_path / name, 32, channels)
+            assert read.shape == original.shape and np.abs(read - original).mean() < 2 / 255, (name, channels)
+            assert np.array_equal(decode_image_bytes((tmp_path / name).read_bytes(), 32, channels), read), name
+    assert np.allclose(read_image(tmp_path / "cmyk.jpg", 32, 3)[:, 16, 2], np.array([200, 30, 30]) / 255, atol=0.02)  # red, not grey
+
+
 def test_sixteen_bit_and_float_camera_images_keep_their_range(tmp_path):
     """A 16-bit grey PNG or TIFF (an industrial camera's) reads as its 8-bit copy does, not clipped white as Pillow's
     convert("L") would make it; a float TIFF in [0, 1] too; pixel values beyond the container's range are refused by name."""
