@@ -9,6 +9,7 @@ Dynamic int8 modules do not pass through `torch.export`, so a quantized export w
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import logging
@@ -107,8 +108,14 @@ def export_version(registry: Registry, version_id: str, out_dir: str | Path, qua
 
 
 def _export_program(model: torch.nn.Module, example: torch.Tensor, path: Path) -> Path:
-    """``model`` as a `torch.export` program with a dynamic batch dimension, saved at ``path`` (the module doc)."""
+    """``model`` as a `torch.export` program with a dynamic batch dimension, saved at ``path`` (the module doc).
+
+    Its weights are exported in the default layout: the pretrained backbone keeps its convolution weights channels-last
+    (`common.backbones`), and torch's archive writer cannot tell the storage range of a non-contiguous weight (it warns
+    that the weights may not load on another device). The program still runs channels-last: the backbone's forward
+    converts its input."""
     batch = torch.export.Dim("batch", min=1, max=1 << 16)
+    model = copy.deepcopy(model).to(memory_format=torch.contiguous_format)
     program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
     torch.export.save(program, str(path))
     return path
