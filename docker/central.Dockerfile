@@ -12,14 +12,14 @@ COPY common common
 COPY server server
 COPY client client
 COPY protos protos
-RUN pip wheel --no-cache-dir --wheel-dir /wheels --extra-index-url "${TORCH_INDEX}" .
+RUN pip wheel --no-cache-dir --wheel-dir /wheels --extra-index-url "${TORCH_INDEX}" ".[export]"
 
 FROM ${PYTHON_IMAGE}
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin fedforge \
  && mkdir -p /data /certs /app && chown fedforge:fedforge /data /certs /app
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir --no-index --find-links /wheels fedforge && rm -rf /wheels
+RUN pip install --no-cache-dir --no-index --find-links /wheels "fedforge[export]" && rm -rf /wheels  # export: ONNX too
 # The Flower app directory `flwr run` bundles (code and pyproject only: the FAB stays small).
 COPY --chown=fedforge:fedforge pyproject.toml README.md /app/
 COPY --chown=fedforge:fedforge common /app/common

@@ -9,8 +9,10 @@ Dynamic int8 modules do not pass through `torch.export`, so a quantized export w
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
+import io
 import json
 import logging
 import warnings
@@ -93,18 +95,43 @@ def export_version(registry: Registry, version_id: str, out_dir: str | Path, qua
     else:
         files.append(str(_export_program(model, example, out / f"{version_id}.pt2")))
     if onnx:
-        if importlib.util.find_spec("onnx") is None:
-            skipped.append("onnx: the `onnx` package is not installed (pip install onnx onnxscript)")
+        if missing := [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]:
+            skipped.append(f"onnx: {' and '.join(missing)} not installed (pip install 'fedforge[export]')")
         elif quantize:
             skipped.append("onnx: dynamic int8 modules do not export to ONNX; export without --quantize")
         else:
-            onnx_path = out / f"{version_id}.onnx"
-            torch.onnx.export(model, (example,), str(onnx_path), input_names=["image"], output_names=["logits"],
-                              dynamic_axes={"image": {0: "batch"}, "logits": {0: "batch"}})
-            files.append(str(onnx_path))
+            files.append(str(_export_onnx(model, example, out / f"{version_id}.onnx")))
     report = ExportReport(version_id, files, accuracy, q_acc, None if q_acc is None or accuracy is None else q_acc - accuracy, skipped)
     (out / f"{version_id}{suffix}.export.json").write_text(json.dumps({**asdict(report), "manifest": json.loads(version.manifest)}, indent=2))
     return report
+
+
+def _batch_dim() -> Any:
+    return torch.export.Dim("batch", min=1, max=1 << 16)
+
+
+def _export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path) -> Path:
+    """``model`` as one self-contained ONNX file (input ``image``, output ``logits``, any batch size) at ``path``.
+
+    torch's exporter (through `torch.export` and onnxscript) would put the weights in a ``.onnx.data`` file beside it by
+    default, which a copy of the ``.onnx`` alone leaves behind; the model is far below ONNX's 2 GB limit for one file.
+    The exporter's and onnxscript's progress lines are kept out of the operator's output, and so is the exporter's
+    warning that torchvision's detection operators (which no FedForge model uses) have no ONNX translation here."""
+    quiet = {"onnx_ir": logging.WARNING, "onnxscript": logging.WARNING, "torch.onnx": logging.WARNING,
+             "torch.onnx._internal.exporter._registration": logging.ERROR}
+    loggers = [logging.getLogger(name) for name in quiet]
+    levels = [logger.level for logger in loggers]
+    for logger, level in zip(loggers, quiet.values()):
+        logger.setLevel(level)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecation inside the exporter
+            torch.onnx.export(model, (example,), str(path), input_names=["image"], output_names=["logits"],
+                              dynamic_shapes=({0: _batch_dim()},), external_data=False, verbose=False)
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+    return path
 
 
 def _export_program(model: torch.nn.Module, example: torch.Tensor, path: Path) -> Path:
@@ -114,8 +141,7 @@ def _export_program(model: torch.nn.Module, example: torch.Tensor, path: Path) -
     (`common.backbones`), and torch's archive writer cannot tell the storage range of a non-contiguous weight (it warns
     that the weights may not load on another device). The program still runs channels-last: the backbone's forward
     converts its input."""
-    batch = torch.export.Dim("batch", min=1, max=1 << 16)
     model = copy.deepcopy(model).to(memory_format=torch.contiguous_format)
-    program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
+    program = torch.export.export(model, (example,), dynamic_shapes=({0: _batch_dim()},))
     torch.export.save(program, str(path))
     return path

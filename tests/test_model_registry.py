@@ -252,6 +252,7 @@ def test_export_torchscript_and_int8_with_accuracy_delta(registry_factory, tmp_p
     model.eval()
     torch.testing.assert_close(scripted(x), model(x))
     torch.testing.assert_close(program(x), model(x))
+    assert [Path(f).suffix for f in plain.files] == [".pt", ".pt2", ".onnx"]  # ONNX of cnn-small too (run in tests/test_models.py)
     assert [Path(f).suffix for f in q.files] == [".pt"] and any(s.startswith("pt2:") for s in q.skipped)  # int8: TorchScript only
     assert (tmp_path / "out" / f"{v.id}-int8.export.json").exists()
 

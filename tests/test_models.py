@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import onnxruntime
 import pytest
 import torch
 import torch.nn.functional as F
@@ -181,15 +182,19 @@ def test_head_only_versions_sign_and_export_to_the_same_predictions(tmp_path):
     data = datasets.test_dataset(datasets.SyntheticSpec(), 12)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # torch.export's writer warns on a channels-last weight (server.export)
-        report = export_version(registry, v.id, tmp_path / "out", onnx=False, test_data=data)
+        report = export_version(registry, v.id, tmp_path / "out", test_data=data)
+    assert [Path(f).suffix for f in report.files] == [".pt", ".pt2", ".onnx"] and not report.skipped
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.suffix != ".json") == sorted(Path(f).name for f in report.files)
     scripted, program = torch.jit.load(report.files[0]), torch.export.load(report.files[1]).module()
-    assert report.files[1].endswith(".pt2")
+    session = onnxruntime.InferenceSession(report.files[2])  # one self-contained file: no .onnx.data beside it
     x = torch.from_numpy(data.images)
     with torch.no_grad():
         expected = load_weights(build_model(ARCH, 6), registry.load_weights(v.id)).eval()(x)
-        torch.testing.assert_close(scripted(x), expected, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(program(x), expected, atol=1e-4, rtol=1e-4)  # any batch size: 12 here, 1 below
-        torch.testing.assert_close(program(x[:1]), expected[:1], atol=1e-4, rtol=1e-4)
+        for batch in (x, x[:1]):  # any batch size: 12, and 1
+            torch.testing.assert_close(scripted(batch), expected[: len(batch)], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(program(batch), expected[: len(batch)], atol=1e-4, rtol=1e-4)
+            onnx_logits = torch.from_numpy(session.run(["logits"], {"image": batch.numpy()})[0])
+            torch.testing.assert_close(onnx_logits, expected[: len(batch)], atol=1e-3, rtol=1e-3)
     assert report.accuracy == pytest.approx(float((expected.argmax(1).numpy() == data.labels).mean()))
 
 
