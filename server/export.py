@@ -1,5 +1,5 @@
-"""Export of an approved version for deployment: a `torch.export` program (``.pt2``), TorchScript (and ONNX when `onnx`
-is installed), optionally with dynamic int8 quantization of the linear layers, and the accuracy delta it costs.
+"""Export of an approved version for deployment: a `torch.export` program (``.pt2``), TorchScript (and ONNX with the
+``export`` extra installed), optionally with dynamic int8 quantization of the linear layers, and the accuracy delta it costs.
 
 Why both PyTorch formats: torch 2.13 deprecates TorchScript (``torch.jit.trace`` and ``torch.jit.load`` warn that they
 are going away and name `torch.export` instead), while edge runtimes built on older torch load only TorchScript. The
@@ -107,6 +107,7 @@ def export_version(registry: Registry, version_id: str, out_dir: str | Path, qua
 
 
 def _batch_dim() -> Any:
+    """The exported models' first dimension: any batch an inspection station sends, one image or many."""
     return torch.export.Dim("batch", min=1, max=1 << 16)
 
 
