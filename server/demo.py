@@ -252,6 +252,22 @@ def _f(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, float) else "-"
 
 
+def privacy_line(versions: list[dict[str, Any]]) -> str:
+    """What each DP factory has spent of its budget by the last version (as the dashboard's privacy page says it), or ''
+    when none trains with DP: a run that ends with its factories' budgets spent says so where the operator looks."""
+    privacy = versions[-1].get("privacy") if versions else None
+    if not privacy:
+        return ""
+    parts = []
+    for factory, p in sorted(privacy.items()):
+        part = f"{factory} ε {p['epsilon-spent']:.2f} of {p['epsilon-max']:.2f}"
+        if p.get("dp-noise-holders"):
+            part += f" (noise shared with {p['dp-noise-holders']:.0f} honest inputs; ε {p['epsilon-alone']:.2f} on its own noise)"
+        parts.append(part)
+    deltas = sorted({p["delta"] for p in privacy.values()})
+    return f"privacy spent (δ {', '.join(f'{d:g}' for d in deltas)}): " + "; ".join(parts)
+
+
 def print_summary(summary: dict[str, Any]) -> None:
     table = Table(title=f"FedForge run {summary['run_id']} ({summary['status']})",
                   caption="test: the new model on the central test set; federated: the model each round started from, on the factories' "
@@ -269,6 +285,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         for arch, a in summary["architectures"].items():
             console.print(f"  {arch}: accuracy {_f(a['initial_accuracy'])} -> {_f(a['final_accuracy'])} over {a['versions']} versions "
                           f"({a['distilled']} distilled)")
+    if line := privacy_line(summary["versions"]):
+        console.print(line)
     console.print(f"final accuracy {summary['final_accuracy']}, {len(summary['versions'])} versions in {summary['registry']}, "
                   f"wall time {summary['wall_seconds']:.1f}s")
     if summary["error"]:

@@ -104,6 +104,7 @@ def test_demo_with_dp_and_ddp(tmp_path, no_leftover_processes):
         spent = [p[factory]["epsilon-spent"] for p in privacy]
         assert 0 < spent[0] < spent[1] <= 8.0  # grows per round, within the budget
         assert privacy[-1][factory]["epsilon-max"] == 8.0
+        assert f"{factory} ε {spent[1]:.2f} of 8.00" in " ".join(proc.stderr.split())  # the summary (on stderr) says what each spent
 
 
 def _demo(tmp_path, name: str, *flags: str, train_size: int = 600) -> tuple[dict, subprocess.CompletedProcess]:

@@ -509,3 +509,18 @@ def test_a_factory_without_dp_sends_its_exact_class_counts(tmp_path):
     trainer = FactoryTrainer(_cfg(tmp_path, dp=False))
     prep = trainer.prepare(_global(), CONFIG)
     np.testing.assert_array_equal(trainer.class_counts(prep), np.bincount(np.asarray(prep.train_set.labels), minlength=len(prep.request.classes)))
+
+
+def test_the_demo_summary_names_each_factorys_spend_and_what_its_own_noise_guarantees():
+    """`fedforge demo --dp`'s summary line, from the last version's privacy entries (the JSON summary's): each factory's
+    spend against its budget, and for a factory sharing the secure sum's noise how many honest inputs it counted and what
+    its own noise alone guarantees; nothing for a run without DP."""
+    from server.demo import privacy_line
+
+    local = {"epsilon-spent": 7.5, "epsilon-max": 8.0, "delta": 1e-5}
+    shared = {**local, "epsilon-spent": 8.0, "dp-noise-holders": 3.0, "epsilon-alone": 15.706}
+    line = privacy_line([{"privacy": {}}, {"privacy": {"plant-b": shared, "plant-a": local}}])
+    assert line == ("privacy spent (δ 1e-05): plant-a ε 7.50 of 8.00; "
+                    "plant-b ε 8.00 of 8.00 (noise shared with 3 honest inputs; ε 15.71 on its own noise)")
+    assert privacy_line([{"privacy": {}}]) == privacy_line([]) == ""
+
