@@ -140,6 +140,38 @@ def test_balanced_ensemble_lets_each_factory_speak_for_its_own_classes():
     assert teacher[0, 3:].sum() == 0  # nobody has seen classes 3-5: no opinion
 
 
+def test_a_model_trained_on_logit_adjusted_loss_has_its_prior_divided_out_once():
+    """A head trained on logits + tau log prior (the pretrained family's default, tau 1) predicts with tau log prior already
+    taken out: `balanced_predictions` divides out only prior ** (1 - tau). Dividing the whole prior out again, as it once
+    did, made the 90/10 factory vote for its rare class on an image its own balanced model calls its majority class."""
+    counts = np.array([90.0, 10, 0, 0, 0, 0])
+    balanced = np.array([[0.6, 0.4, 0, 0, 0, 0]])  # what a tau = 1 model says: class 0, prior already out
+    assert np.allclose(balanced_predictions(balanced, counts, trained_adjustment=1.0), balanced)
+    assert balanced_predictions(balanced, counts).argmax() == 1  # the prior divided out twice: the rare class wins
+    pseudo = 0.5 * counts.sum() / 6
+    prior = (counts + pseudo) / (counts.sum() + 6 * pseudo)
+    for tau in (0.0, 0.5, 1.5):
+        expected = np.where(counts > 0, balanced[0] / prior ** (1 - tau), 0.0)
+        assert np.allclose(balanced_predictions(balanced, counts, trained_adjustment=tau)[0], expected / expected.sum())
+    with pytest.raises(ValueError, match="trained_adjustment"):
+        balanced_predictions(balanced, counts, trained_adjustment=-0.5)
+
+
+def test_a_factory_divides_out_what_its_models_did_not_train_away(tmp_path):
+    """`FactoryTrainer.predict` tells `balanced_predictions` the tau its model trained with: the head's logit adjustment
+    without DP, the private head's under DP, a CNN's own, and none for a CNN under DP."""
+    from client.config import AgentConfig
+    from client.trainer import FactoryTrainer
+
+    config = {"head-logit-adjustment": 0.7, "private-head-logit-adjustment": 0.4, "logit-adjustment": 0.2}
+    plain = FactoryTrainer(AgentConfig(factory_id="f", train_size=20, state_dir=str(tmp_path / "plain")))
+    private = FactoryTrainer(AgentConfig(factory_id="f", train_size=20, dp=True, dp_epsilon=8.0, state_dir=str(tmp_path / "dp")))
+    assert plain._trained_adjustment("effnet-lite0", config) == 0.7
+    assert private._trained_adjustment("effnet-lite0", config) == 0.4
+    assert plain._trained_adjustment("cnn-small", config) == 0.2
+    assert private._trained_adjustment("cnn-small", config) == 0.0
+
+
 # -- the round loop, scripted ------------------------------------------------------------------------
 def test_bad_predictions_are_excluded_by_name_and_groups_get_their_own_lines(tmp_path, caplog):
     def wrong_shape(r):
