@@ -509,14 +509,15 @@ class FactoryTrainer:
         return balanced_predictions(probabilities, counts, trained_adjustment=self._trained_adjustment(prep.architecture, config)), counts
 
     def _trained_adjustment(self, architecture: str, config: dict[str, Any]) -> float:
-        """The tau of the logit-adjusted loss this factory's models train on (`balanced_predictions`): the pretrained head's
-        ``head-logit-adjustment``, or under DP ``private-head-logit-adjustment`` (on its released counts, which are the counts
-        it divides by here too); a CNN's ``logit-adjustment``, and none under DP (DP-SGD trains a CNN on plain
-        cross-entropy)."""
+        """The tau of the logit-adjusted loss this factory's models train on (`balanced_predictions`), as `train` reads it:
+        without DP the config `train` gets (`TrainConfig.for_head` for the pretrained head), under DP the private head's
+        shift on its released counts (`_released_prior_shift`; those are the counts divided by here too), and none for a
+        CNN (DP-SGD trains it on plain cross-entropy)."""
         cfg = train_config_from(config, 0)
-        if is_pretrained(architecture):
-            return cfg.private_head_logit_adjustment if self.budget is not None else cfg.head_logit_adjustment
-        return 0.0 if self.budget is not None else cfg.logit_adjustment
+        pretrained = is_pretrained(architecture)
+        if self.budget is not None:
+            return cfg.private_head().private_head_logit_adjustment if pretrained else 0.0
+        return (cfg.for_head() if pretrained else cfg).logit_adjustment
 
     def class_counts(self, prep: Prepared, run_id: str = "", server_round: int = 0) -> np.ndarray:
         """The factory's training class counts as they may leave it: exact without DP; with DP one Gaussian release of them

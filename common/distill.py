@@ -119,10 +119,10 @@ def balanced_predictions(probabilities: np.ndarray, class_counts: np.ndarray, sm
 
     ``trained_adjustment`` is the tau of the logit-adjusted loss the model trained on (logits + tau log prior, as the
     pretrained head does by default): such a model's own logits already have tau log prior taken out, so only the rest,
-    prior ** (1 - tau), is divided out here (for tau > 1, multiplied back in). Dividing the whole prior out again counted a factory's label skew twice and
-    made it speak loudest for the classes it has fewest images of: distillation-only rounds of the pretrained head
-    reached 0.568 instead of 0.630 (3 factories, alpha 1) and 0.223 instead of 0.510 (5 factories, alpha 0.1; see
-    docs/benchmarks.md).
+    prior ** (1 - tau), is divided out here (for tau > 1, multiplied back in). Dividing the whole prior out again
+    counted a factory's label skew twice and made it speak loudest for the classes it has fewest images of:
+    distillation-only rounds of the pretrained head reached 0.568 instead of 0.630 (3 factories, alpha 1) and 0.223
+    instead of 0.510 (5 factories, alpha 0.1; see docs/benchmarks.md).
     """
     if not trained_adjustment >= 0.0:
         raise ValueError(f"trained_adjustment must be >= 0 (the tau a model trained with), got {trained_adjustment}")
