@@ -226,7 +226,7 @@ class FactoryData:
         train_idx, held_idx = self.source.split(data, report, self.fraction, self.seed)
         self._current = Split(request, data.subset(train_idx), data.subset(held_idx), report)
         self.report = report
-        log.info("data for %d px x %d channel(s): %d training and %d held-out images%s (%d left out: unreadable or filed under two classes)", request.image_size,
+        log.info("data for %d px x %d channel(s): %d training and %d held-out images%s (%d left out: unreadable, filed under two classes or in a format not read)", request.image_size,
                  request.channels, len(train_idx), len(held_idx), ", streamed from disk" if report.streamed else "", len(report.skipped))
         return self._current
 

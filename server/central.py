@@ -53,7 +53,7 @@ class CentralData:
         cfg = self.cfg
         if cfg.test_data:
             self.test, report = load_image_folder(cfg.test_data, cfg.image_size, cfg.class_list, cfg.channels, bit_depth=cfg.data_bit_depth)
-            log.info("central test set: %d images from %s (%d left out: unreadable or filed under two classes)", len(self.test), cfg.test_data, len(report.skipped))
+            log.info("central test set: %d images from %s (%d left out: unreadable, filed under two classes or in a format not read)", len(self.test), cfg.test_data, len(report.skipped))
         elif factories_generated and cfg.test_size > 0:
             self.test = generated(datasets.test_dataset(cfg.spec, cfg.test_size), cfg)
         else:

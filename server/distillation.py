@@ -26,7 +26,7 @@ def load_proxy(cfg: FederationConfig) -> ProxySet:
     """The operator's folder of unlabelled images, or the generator's proxy images for the demo."""
     if cfg.proxy_data:
         images, report = load_unlabelled_folder(cfg.proxy_data, cfg.image_size, cfg.channels, cfg.data_bit_depth)
-        log.info("proxy set: %d images from %s (%d unreadable, skipped)", report.loaded, cfg.proxy_data, len(report.skipped))
+        log.info("proxy set: %d images from %s (%d unreadable or in a format not read, skipped)", report.loaded, cfg.proxy_data, len(report.skipped))
         return ProxySet(images)
     return ProxySet(grey_to_channels(datasets.proxy_images(cfg.spec, cfg.proxy_size), cfg.channels))
 

@@ -461,6 +461,58 @@ def test_truncated_and_garbage_files_are_skipped_by_name(tmp_path, caplog):
     assert "truncated.png" in caplog.text and "garbage.jpg" in caplog.text
 
 
+def test_every_format_a_camera_or_export_tool_writes_reads_like_its_png(tmp_path):
+    """JPEG under its other suffixes (.jfif, .jpe), JPEG 2000 (lossless here, as inspection cameras write it), Targa,
+    Windows DIB, PNM/PBM and AVIF are read, not left out for their suffix (uppercase included)."""
+    rng = np.random.default_rng(0)
+    noise = Image.fromarray(rng.integers(0, 256, (48, 64), dtype=np.uint8))
+    smooth = Image.fromarray(np.tile(np.linspace(0, 255, 64, dtype=np.uint8), (48, 1)))  # what lossy codecs keep
+    folder = tmp_path / "good"
+    folder.mkdir()
+    noise.save(tmp_path / "noise.png")
+    smooth.save(tmp_path / "smooth.png")
+    exact = {"lossless.jp2": "JPEG2000", "lossless.J2K": "JPEG2000", "frame.tga": "TGA", "frame.dib": "DIB", "frame.pnm": "PPM"}
+    for name, fmt in exact.items():
+        noise.save(folder / name, format=fmt)
+        assert np.array_equal(read_image(folder / name, 32), read_image(tmp_path / "noise.png", 32)), name
+    for name, fmt in {"photo.jfif": "JPEG", "photo.JPE": "JPEG", "photo.avif": "AVIF"}.items():
+        smooth.save(folder / name, format=fmt, quality=95)
+        assert np.abs(read_image(folder / name, 32) - read_image(tmp_path / "smooth.png", 32)).max() < 0.05, name
+    bilevel = noise.point(lambda v: 255 if v > 127 else 0).convert("1")
+    bilevel.save(folder / "mask.pbm")
+    bilevel.save(tmp_path / "mask.png")
+    assert np.array_equal(read_image(folder / "mask.pbm", 32), read_image(tmp_path / "mask.png", 32))
+    index = index_image_folder(tmp_path, FEDERATION)
+    assert sorted(p.name for p in index.paths) == sorted([*exact, "photo.jfif", "photo.JPE", "photo.avif", "mask.pbm"])
+    assert index.unread == ()
+
+
+def test_files_in_a_format_not_read_are_named_never_dropped_in_silence(tmp_path, caplog):
+    """A class folder of a phone's HEIF photographs or a camera's raw files: the index names them (with what to convert
+    them to), loading lists them as left out, and a class that gets no image for it is named; notes beside the images are
+    mentioned, not listed as left out; a folder of nothing readable says what it holds."""
+    for i in range(3):
+        _write(tmp_path / "good" / f"{i}.png")
+        (tmp_path / "dent" / f"IMG_{i:04d}.HEIC").parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "dent" / f"IMG_{i:04d}.HEIC").write_bytes(b"\0\0\0\x18ftypheic" + bytes(64))
+    (tmp_path / "good" / "line-3.dng").write_bytes(b"II*\0" + bytes(64))
+    (tmp_path / "good" / "README.txt").write_text("shift 2 images")
+    with caplog.at_level("INFO"):
+        index = index_image_folder(tmp_path, FEDERATION)
+    assert index.counts() == {"good": 3}
+    assert sorted(p.name for p, _ in index.unread) == ["IMG_0000.HEIC", "IMG_0001.HEIC", "IMG_0002.HEIC", "line-3.dng"]
+    assert all("convert it to PNG, JPEG or TIFF" in why for _, why in index.unread)
+    assert "class folder 'dent' holds no image file it reads, so class 'dent' gets no images from it" in caplog.text
+    assert "5 files are not read: .heic 3 (e.g. dent/IMG_0000.HEIC), .dng 1 (e.g. good/line-3.dng), .txt 1" in caplog.text
+    _, report = load_labelled(index, FEDERATION, 16)
+    assert report.loaded == 3 and sorted(Path(p).name for p, _ in report.skipped) == sorted(p.name for p, _ in index.unread)
+    only_heif = tmp_path / "phone"
+    (only_heif / "dent").mkdir(parents=True)
+    (only_heif / "dent" / "IMG_0001.heic").write_bytes(bytes(16))
+    with pytest.raises(DatasetError, match=r"holds no image files .*1 file is not read: \.heic 1 \(e\.g\. dent/IMG_0001\.heic\)"):
+        index_image_folder(only_heif, FEDERATION)
+
+
 def test_an_image_filed_under_two_classes_is_left_out_naming_every_copy(tmp_path, caplog):
     """An operator copied a dent into good/ instead of moving it: no copy of it trains or is held out, each is named with
     the others, and the factory's split still pairs every image with its own label. A copy within one class, and

@@ -22,7 +22,7 @@ import numpy as np
 
 from common.data.classes import DEFAULT_CLASSES, ClassListError, assign_folders, label_map
 from common.data.datasets import ImageDataset, ImageSet, StreamedImages
-from common.data.images import DEFAULT_BIT_DEPTH, SUFFIXES, ImageError, read_image
+from common.data.images import DEFAULT_BIT_DEPTH, SUFFIXES, UNREAD_IMAGE_SUFFIXES, ImageError, read_image
 from common.data.synth import DEFAULT_SIZE
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ class FolderIndex:
     paths: tuple[Path, ...]
     names: tuple[str, ...]  # class name of each file
     folders: dict[str, str]  # folder name -> class name
+    unread: tuple[tuple[Path, str], ...] = ()  # image files in a format not read, each with what to do (`unread_files`)
 
     def present(self, classes: Sequence[str]) -> tuple[str, ...]:
         """The classes this folder has images of, in the order of ``classes``."""
@@ -87,7 +88,12 @@ def has_image_files(folder: Path) -> bool:
 
 
 def _walk_images(folder: Path) -> Iterator[Path]:
-    """The image files under ``folder``, in no set order.
+    """The image files under ``folder``, in no set order (`_walk_files` of a suffix in `SUFFIXES`)."""
+    return (path for path in _walk_files(folder) if path.suffix.lower() in SUFFIXES)
+
+
+def _walk_files(folder: Path) -> Iterator[Path]:
+    """The files under ``folder``, in no set order.
 
     - Files and folders starting with ``.`` are never read: macOS writes ``._name.jpg`` resource forks beside copied
       images, and tools keep ``.thumbnails/`` or ``.cache/`` inside.
@@ -103,12 +109,67 @@ def _walk_images(folder: Path) -> Iterator[Path]:
         seen.add(real)
         folders[:] = sorted(d for d in folders if not d.startswith("."))
         for name in files:
-            if _is_image_file(path := Path(top) / name):
+            if not name.startswith(".") and (path := Path(top) / name).is_file():
                 yield path
 
 
 def _is_image_file(path: Path) -> bool:
     return not path.name.startswith(".") and path.suffix.lower() in SUFFIXES and path.is_file()
+
+
+UNREAD_ADVICE = "a format FedForge does not read: convert it to PNG, JPEG or TIFF"
+
+
+@dataclass(frozen=True)
+class UnreadFiles:
+    """The files of a folder that are not read as images (`unread_files`): those in an image format FedForge does not read
+    (`UNREAD_IMAGE_SUFFIXES`: a phone's HEIF, a camera's raw files) and any others (notes, annotations, exports)."""
+
+    images: tuple[Path, ...] = ()
+    others: tuple[Path, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.images or self.others)
+
+    def describe(self, root: Path) -> str:
+        """``"12 files are not read: .heic 10 (e.g. scratch/IMG_0001.heic), .txt 2"``, paths relative to ``root``."""
+        by_suffix: dict[str, list[Path]] = {}
+        for path in (*self.images, *self.others):
+            by_suffix.setdefault(path.suffix.lower() or "(no suffix)", []).append(path)
+        parts = [f"{suffix} {len(paths)} (e.g. {_relative(paths[0], root)})"
+                 for suffix, paths in sorted(by_suffix.items(), key=lambda kv: (-len(kv[1]), kv[0]))]
+        n = len(self.images) + len(self.others)
+        return f"{n} file{'s are' if n != 1 else ' is'} not read: {', '.join(parts)}"
+
+
+def _relative(path: Path, root: Path) -> str:
+    try:
+        return path.relative_to(root).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def unread_files(folder: Path) -> UnreadFiles:
+    """The files under ``folder`` (any depth, as `image_files` walks) that it does not read as images, sorted.
+
+    Why: a class folder whose camera writes ``.heic`` or raw files (or images under a suffix outside `SUFFIXES`) would
+    otherwise train the federation without those images, or without the class, and say nothing."""
+    images, others = [], []
+    for path in sorted(_walk_files(folder)):
+        suffix = path.suffix.lower()
+        if suffix not in SUFFIXES:
+            (images if suffix in UNREAD_IMAGE_SUFFIXES else others).append(path)
+    return UnreadFiles(tuple(images), tuple(others))
+
+
+def _report_unread(root: Path, unread: UnreadFiles, what: str = "data folder") -> None:
+    """Log what ``root`` holds that is not read: a warning when image files are among them (their images are lost to
+    training until converted), else a note (side files are common and harmless)."""
+    if unread.images:
+        log.warning("%s %s: %s; the %d image files among them are in %s", what, root, unread.describe(root), len(unread.images),
+                    UNREAD_ADVICE.replace("convert it", "convert them"))
+    elif unread.others:
+        log.info("%s %s: %s (formats read: %s)", what, root, unread.describe(root), " ".join(sorted(SUFFIXES)))
 
 
 def index_image_folder(root: str | Path, classes: Sequence[str] = DEFAULT_CLASSES, aliases: Mapping[str, str] | None = None) -> FolderIndex:
@@ -133,14 +194,20 @@ def index_image_folder(root: str | Path, classes: Sequence[str] = DEFAULT_CLASSE
     loose = [p.name for p in root.iterdir() if _is_image_file(p)]
     if loose:
         log.warning("data folder %s: %d images outside any class folder are ignored (e.g. %s)", root, len(loose), loose[0])
-    paths, names = [], []
+    paths, names, unread = [], [], UnreadFiles()
     for folder in folders:
-        for path in image_files(root / folder):
-            paths.append(path)
-            names.append(mapping[folder])
+        images, not_read = image_files(root / folder), unread_files(root / folder)
+        if not images and not_read:
+            log.warning("data folder %s: class folder %r holds no image file it reads, so class %r gets no images from it: %s",
+                        root, folder, mapping[folder], not_read.describe(root))
+        paths.extend(images)
+        names.extend([mapping[folder]] * len(images))
+        unread = UnreadFiles(unread.images + not_read.images, unread.others + not_read.others)
     if not paths:
-        raise DatasetError(f"data folder {root} holds no image files (expected {root}/<class>/<image>.png; formats {sorted(SUFFIXES)})")
-    return FolderIndex(root, tuple(paths), tuple(names), mapping)
+        raise DatasetError(f"data folder {root} holds no image files (expected {root}/<class>/<image>.png; formats {sorted(SUFFIXES)})"
+                           + (f"; {unread.describe(root)}" if unread else ""))
+    _report_unread(root, unread)
+    return FolderIndex(root, tuple(paths), tuple(names), mapping, tuple((path, UNREAD_ADVICE) for path in unread.images))
 
 
 def bit_depth_hint(brightest: float, bit_depth: int) -> str:
@@ -169,6 +236,7 @@ def load_labelled(index: FolderIndex, classes: Sequence[str], size: int = DEFAUL
         raise DatasetError(str(exc)) from None
     streamed = len(index.paths) * channels * size * size * 4 > memory_limit
     report = FolderReport(streamed=streamed)
+    report.skipped.extend((str(path), reason) for path, reason in index.unread)
     conflicts = label_conflicts(index)
     if conflicts:
         path, reason = next(iter(conflicts.items()))
@@ -195,7 +263,8 @@ def load_labelled(index: FolderIndex, classes: Sequence[str], size: int = DEFAUL
             kept.append(image)
     report.loaded = len(labels)
     if not labels:
-        raise DatasetError(f"data folder {index.root} holds no usable images ({len(report.skipped)} unreadable or filed under two classes)")
+        raise DatasetError(f"data folder {index.root} holds no usable images ({len(report.skipped)} unreadable, filed under two classes or in a "
+                           "format not read)")
     if hint := bit_depth_hint(brightest, bit_depth):
         log.warning("data folder %s: %s", index.root, hint)
     label_array = np.asarray(labels, dtype=np.int64)
@@ -257,6 +326,9 @@ def load_unlabelled_folder(root: str | Path, size: int = DEFAULT_SIZE, channels:
     if not root.is_dir():
         raise DatasetError(f"proxy folder {root} does not exist or is not a directory")
     report, images = FolderReport(), []
+    unread = unread_files(root)
+    _report_unread(root, unread, "proxy folder")
+    report.skipped.extend((str(path), UNREAD_ADVICE) for path in unread.images)
     for path in image_files(root):
         try:
             images.append(read_image(path, size, channels, bit_depth))
@@ -264,7 +336,7 @@ def load_unlabelled_folder(root: str | Path, size: int = DEFAULT_SIZE, channels:
             report.skipped.append((str(path), str(exc)))
             log.warning("skipping unreadable image %s", exc)
     if not images:
-        raise DatasetError(f"proxy folder {root} holds no readable images")
+        raise DatasetError(f"proxy folder {root} holds no readable images" + (f"; {unread.describe(root)}" if unread else ""))
     if hint := bit_depth_hint(max(float(image.max()) for image in images), bit_depth):
         log.warning("proxy folder %s: %s", root, hint)
     report.loaded = len(images)

@@ -51,6 +51,7 @@ from common.data.folder import (
     has_image_files,
     image_files,
     load_image_folder,
+    unread_files,
 )
 from common.data.images import COLOUR_CHROMA, DEFAULT_BIT_DEPTH, median_chroma
 
@@ -119,7 +120,8 @@ class FolderFederation:
                                   f"name the folder proxy/" if flat else ""))
         trains, tests = (tuple(p for p in part if p is not None) for part in zip(*pairs))
         if empty := [str(folder) for folder in (*trains, *tests) if not has_image_files(folder)]:
-            raise DatasetError(f"{empty} hold no image files (expected <class>/<image>, formats {sorted(IMAGE_SUFFIXES)})")
+            found = "".join(f"; {folder}: {unread.describe(Path(folder))}" for folder in empty if (unread := unread_files(Path(folder))))
+            raise DatasetError(f"{empty} hold no image files (expected <class>/<image>, formats {sorted(IMAGE_SUFFIXES)}){found}")
         # every class folder of the factories and of the central test set: a class no factory holds is still a class the
         # global model is tested on (and gets wrong), not a reason to refuse the run
         aliases = parse_aliases(aliases or {})
