@@ -1,5 +1,6 @@
 """Users' own image folders: the class list maps folders by name, any format and size loads, big folders stream."""
 
+import io
 import re
 import zlib
 from pathlib import Path
@@ -485,6 +486,37 @@ def test_every_format_a_camera_or_export_tool_writes_reads_like_its_png(tmp_path
     index = index_image_folder(tmp_path, FEDERATION)
     assert sorted(p.name for p in index.paths) == sorted([*exact, "photo.jfif", "photo.JPE", "photo.avif", "mask.pbm"])
     assert index.unread == ()
+
+
+def test_an_embedded_colour_profile_is_applied_so_a_wide_gamut_cameras_files_read_as_their_srgb_originals(tmp_path):
+    """A camera set to Adobe RGB writes its colours in that space, with the profile in the file: read as stored they are
+    washed out (a red panel by 0.1 to 0.2 of the range); with the profile applied they read as the sRGB original does, in
+    PNG, TIFF, JPEG and WebP, with transparency and an EXIF orientation too. A file without a profile, or with a malformed
+    one, is read as stored."""
+    from PIL import ImageCms
+
+    from tests.icc import wide_gamut_profile
+
+    icc = wide_gamut_profile()
+    to_wide = ImageCms.buildTransform(ImageCms.createProfile("sRGB"), ImageCms.ImageCmsProfile(io.BytesIO(icc)), "RGB", "RGB")
+    ramp = np.linspace(0, 255, 64)
+    original = Image.fromarray(np.stack([np.tile(ramp, (48, 1)), np.full((48, 64), 40.0), np.tile(ramp[::-1], (48, 1))], -1).astype(np.uint8))
+    original.save(tmp_path / "original.png")
+    want = read_image(tmp_path / "original.png", 32, channels=3)
+    wide = Image.fromarray(np.asarray(ImageCms.applyTransform(original, to_wide)))  # its values alone: each save below says its profile
+    for name, kw in {"a.png": {}, "a.tif": {}, "a.jpg": {"quality": 95}, "a.webp": {"lossless": True}}.items():
+        wide.save(tmp_path / name, icc_profile=icc, **kw)
+        assert np.abs(read_image(tmp_path / name, 32, channels=3) - want).max() < (0.05 if name == "a.jpg" else 0.02), name
+    wide.save(tmp_path / "stored.png")  # the same values without their profile: taken as sRGB
+    assert np.abs(read_image(tmp_path / "stored.png", 32, channels=3) - want).max() > 0.1
+    wide.convert("RGBA").save(tmp_path / "cut-out.png", icc_profile=icc)
+    assert np.abs(read_image(tmp_path / "cut-out.png", 32, channels=3) - want).max() < 0.02
+    exif = Image.Exif()
+    exif[0x0112] = 3  # stored upside down
+    wide.rotate(180).save(tmp_path / "turned.jpg", quality=95, icc_profile=icc, exif=exif)
+    assert np.abs(read_image(tmp_path / "turned.jpg", 32, channels=3) - want).max() < 0.05
+    wide.save(tmp_path / "malformed.png", icc_profile=b"not a profile" * 10)
+    np.testing.assert_array_equal(read_image(tmp_path / "malformed.png", 32, channels=3), read_image(tmp_path / "stored.png", 32, channels=3))
 
 
 def test_files_in_a_format_not_read_are_named_never_dropped_in_silence(tmp_path, caplog):

@@ -165,6 +165,22 @@ def test_a_deep_colour_tiff_is_fed_to_each_version_as_its_training_images_were_r
     assert np.abs(old - new).max() > 0.2
 
 
+def test_a_colour_managed_file_is_fed_to_each_version_as_its_training_images_were_read():
+    """Embedded colour profiles are applied since decoding 7; a version recorded with decoding 6 was trained on the stored
+    values, and is fed those."""
+    from common.data.images import COLOUR_MANAGED_DECODE, DECODE_VERSION, decode_image_bytes
+    from tests.icc import wide_gamut_profile
+
+    red = np.zeros((32, 32, 3), np.uint8)
+    red[..., 0] = 200
+    buf = io.BytesIO()
+    Image.fromarray(red).save(buf, format="PNG", icc_profile=wide_gamut_profile())
+    old = decode_image_bytes(buf.getvalue(), 32, 3, decoding=COLOUR_MANAGED_DECODE - 1)
+    new = decode_image_bytes(buf.getvalue(), 32, 3, decoding=DECODE_VERSION)
+    assert old[:, 16, 16] == pytest.approx([200 / 255, 0.0, 0.0])
+    assert new[0, 16, 16] > old[0, 16, 16] + 0.1  # a deeper red than sRGB's 200 of 255: converted, it reads brighter
+
+
 def test_hot_swap_loses_no_request_and_bad_versions_are_never_loaded(site):
     registry, stub, agent = site
     image = _png(datasets.test_dataset(datasets.SyntheticSpec(), 6).images[0])

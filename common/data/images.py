@@ -40,6 +40,12 @@ and an inspection station's request are resized the same way:
   such files by each sample's high byte, ignoring the bit depth (12-bit colour reads nearly black), reads planar ones
   as garbage (a red square as light grey) and cannot open float ones. Letterboxed and folded as floats, channel by
   channel. A 16-bit colour PNG, which Pillow reads by the high byte too, is refused when ``bit_depth`` is below 16.
+- **Embedded colour profiles are applied** (`to_srgb`): an RGB or CMYK image that carries an ICC profile (a camera set to
+  Adobe RGB, a photographer's ProPhoto export, a phone's Display P3, a press CMYK JPEG) is converted from it to sRGB
+  (relative colorimetric, littlecms through Pillow's ImageCms), as a colour-managed viewer shows it. Read as stored, an
+  Adobe RGB or ProPhoto file's colours come out washed out, so one factory's parts would read paler than the same parts
+  elsewhere. An image without a profile is taken as sRGB, and one whose profile cannot be used (malformed, or for
+  another colour space than its pixels') is read as stored; grey images and samples of more than 8 bits are not converted.
 - **EXIF orientation** is applied (`upright`): a camera or phone that stores a portrait photograph as landscape pixels
   plus an orientation tag is read the way every viewer shows it, so a factory's training photos, an export that has
   already rotated them, and an inspection station's request all read alike. A file whose EXIF block cannot be
@@ -49,6 +55,7 @@ and an inspection station's request are resized the same way:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import math
@@ -68,12 +75,15 @@ UNREAD_IMAGE_SUFFIXES = frozenset({".heic", ".heif", ".dng", ".cr2", ".cr3", ".n
 # How files become arrays here, for caches keyed by a file's bytes (`common.features.content_keys`): bump it when decoding
 # changes what an encoded file decodes to. 2: large JPEGs decoded at a reduced scale (`JPEG_DRAFT`); 3: EXIF orientation
 # applied (`upright`); 4: line-scan strips folded (`fold_strip`); 5: transparency flattened onto white (`flatten_alpha`);
-# 6: colour TIFFs of more than 8 bits per sample read by tifffile (`common.data.tiff`).
-DECODE_VERSION = 6
+# 6: colour TIFFs of more than 8 bits per sample read by tifffile (`common.data.tiff`); 7: embedded colour profiles applied
+# (`to_srgb`).
+DECODE_VERSION = 7
 STRIP_FOLD = 2.5  # a frame this many times as long as it is wide, or more, is folded into a mosaic (`fold_strip`)
 FOLDING_DECODE = 4  # the first decoding that folds strips: a model version recorded with an older one is fed them unfolded
 FLATTENING_DECODE = 5  # the first that flattens transparency: an older version is fed the colour under transparent pixels
 DEEP_COLOUR_DECODE = 6  # the first that reads deep colour TIFFs by tifffile: an older version is fed Pillow's 8-bit reading
+COLOUR_MANAGED_DECODE = 7  # the first that applies embedded colour profiles: an older version is fed the stored values
+ICC_MODES = {"RGB": "RGB", "RGBA": "RGBA", "CMYK": "RGB"}  # modes whose embedded profile is applied, and the mode they become
 DEEP_PNG_RAWMODES = frozenset({"RGB;16B", "RGBA;16B", "LA;16B"})  # 16-bit colour (and grey + alpha) PNGs, read by Pillow's high byte
 ALPHA_BACKGROUND = (255, 255, 255)  # what transparent pixels show (`flatten_alpha`)
 ALPHA_MODES = frozenset({"RGBA", "RGBa", "LA", "La", "PA"})
@@ -90,6 +100,11 @@ def folds(decoding: int) -> bool:
 def flattens(decoding: int) -> bool:
     """Whether images read for a model trained at ``decoding`` have their transparency flattened (`flatten_alpha`)."""
     return decoding >= FLATTENING_DECODE
+
+
+def manages_colour(decoding: int) -> bool:
+    """Whether images read for a model trained at ``decoding`` have their embedded colour profile applied (`to_srgb`)."""
+    return decoding >= COLOUR_MANAGED_DECODE
 
 
 def reads_deep_colour(decoding: int) -> bool:
@@ -148,7 +163,8 @@ def _unit_grey(img: object, bit_depth: int = DEFAULT_BIT_DEPTH) -> object:
 
 def to_array(img: object, size: int, channels: int, bit_depth: int = DEFAULT_BIT_DEPTH, decoding: int = DECODE_VERSION) -> np.ndarray:
     """A decoded PIL image -> float32 (channels, size, size) in [0, 1], read as a model trained at ``decoding`` reads it:
-    transparency flattened (`flattens`), a strip folded (`folds`), then letterboxed (see the module doc)."""
+    converted to sRGB by its colour profile (`manages_colour`), transparency flattened (`flattens`), a strip folded (`folds`),
+    then letterboxed (see the module doc)."""
     from PIL import Image
 
     assert isinstance(img, Image.Image)
@@ -156,10 +172,51 @@ def to_array(img: object, size: int, channels: int, bit_depth: int = DEFAULT_BIT
     if img.mode in HIGH_DEPTH_MODES:  # more than 8 bits: letterboxed as floats, never rounded to 8 bits
         grey = np.clip(np.asarray(_fit(_unit_grey(img, bit_depth), size, fold), dtype=np.float32), 0.0, 1.0)[None]
         return grey if channels == 1 else np.repeat(grey, 3, axis=0)
+    if manages_colour(decoding):
+        img = to_srgb(img)
     if flattens(decoding):
         img = flatten_alpha(img)
     array = np.asarray(_fit(img.convert(mode), size, fold), dtype=np.float32) / 255.0
     return array[None] if channels == 1 else np.ascontiguousarray(array.transpose(2, 0, 1))
+
+
+def to_srgb(img: object) -> object:
+    """``img`` converted from its embedded ICC profile to sRGB when it is RGB, RGBA or CMYK and carries one (CMYK becomes
+    RGB); any other image, and one whose profile cannot be used, as it is (why: the module doc)."""
+    from PIL import Image
+
+    assert isinstance(img, Image.Image)
+    icc = img.info.get("icc_profile")
+    if not icc or img.mode not in ICC_MODES:
+        return img
+    transform = _srgb_transform(bytes(icc), img.mode)
+    if transform is None:
+        return img
+    from PIL import ImageCms
+
+    return ImageCms.applyTransform(img, transform)
+
+
+@functools.lru_cache(maxsize=16)
+def _srgb_transform(icc: bytes, mode: str) -> object | None:
+    """The transform from the profile ``icc`` to sRGB for images of ``mode``, built once per profile (a factory's camera
+    writes the same one into every file); None when littlecms cannot use it. Built without littlecms' one-pixel cache
+    (``NOCACHE``), so one transform may serve the decoding threads of inspection and training at once."""
+    from PIL import ImageCms
+
+    try:
+        source = ImageCms.ImageCmsProfile(io.BytesIO(icc))
+        return ImageCms.buildTransform(source, _SRGB(), mode, ICC_MODES[mode], ImageCms.Intent.RELATIVE_COLORIMETRIC,
+                                       flags=ImageCms.Flags.NOCACHE)
+    except (ImageCms.PyCMSError, OSError, ValueError, TypeError):
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _SRGB() -> object:
+    from PIL import ImageCms
+
+    return ImageCms.createProfile("sRGB")
 
 
 def flatten_alpha(img: object) -> object:
