@@ -40,12 +40,13 @@ and an inspection station's request are resized the same way:
   such files by each sample's high byte, ignoring the bit depth (12-bit colour reads nearly black), reads planar ones
   as garbage (a red square as light grey) and cannot open float ones. Letterboxed and folded as floats, channel by
   channel. A 16-bit colour PNG, which Pillow reads by the high byte too, is refused when ``bit_depth`` is below 16.
-- **Embedded colour profiles are applied** (`to_srgb`): an RGB or CMYK image that carries an ICC profile (a camera set to
-  Adobe RGB, a photographer's ProPhoto export, a phone's Display P3, a press CMYK JPEG) is converted from it to sRGB
+- **Embedded colour profiles are applied** (`to_srgb`): an RGB image that carries an ICC profile (a camera set to
+  Adobe RGB, a photographer's ProPhoto export, a phone's Display P3) is converted from it to sRGB
   (relative colorimetric, littlecms through Pillow's ImageCms), as a colour-managed viewer shows it. Read as stored, an
   Adobe RGB or ProPhoto file's colours come out washed out, so one factory's parts would read paler than the same parts
   elsewhere. An image without a profile is taken as sRGB, and one whose profile cannot be used (malformed, or for
-  another colour space than its pixels') is read as stored; grey images and samples of more than 8 bits are not converted.
+  another colour space than its pixels') is read as stored; grey and CMYK images (Pillow's conversion, as before) and
+  samples of more than 8 bits are not converted.
 - **EXIF orientation** is applied (`upright`): a camera or phone that stores a portrait photograph as landscape pixels
   plus an orientation tag is read the way every viewer shows it, so a factory's training photos, an export that has
   already rotated them, and an inspection station's request all read alike. A file whose EXIF block cannot be
@@ -83,7 +84,7 @@ FOLDING_DECODE = 4  # the first decoding that folds strips: a model version reco
 FLATTENING_DECODE = 5  # the first that flattens transparency: an older version is fed the colour under transparent pixels
 DEEP_COLOUR_DECODE = 6  # the first that reads deep colour TIFFs by tifffile: an older version is fed Pillow's 8-bit reading
 COLOUR_MANAGED_DECODE = 7  # the first that applies embedded colour profiles: an older version is fed the stored values
-ICC_MODES = {"RGB": "RGB", "RGBA": "RGBA", "CMYK": "RGB"}  # modes whose embedded profile is applied, and the mode they become
+ICC_MODES = {"RGB": "RGB", "RGBA": "RGBA"}  # modes whose embedded profile is applied, and the mode they become
 DEEP_PNG_RAWMODES = frozenset({"RGB;16B", "RGBA;16B", "LA;16B"})  # 16-bit colour (and grey + alpha) PNGs, read by Pillow's high byte
 ALPHA_BACKGROUND = (255, 255, 255)  # what transparent pixels show (`flatten_alpha`)
 ALPHA_MODES = frozenset({"RGBA", "RGBa", "LA", "La", "PA"})
@@ -181,8 +182,8 @@ def to_array(img: object, size: int, channels: int, bit_depth: int = DEFAULT_BIT
 
 
 def to_srgb(img: object) -> object:
-    """``img`` converted from its embedded ICC profile to sRGB when it is RGB, RGBA or CMYK and carries one (CMYK becomes
-    RGB); any other image, and one whose profile cannot be used, as it is (why: the module doc)."""
+    """``img`` converted from its embedded ICC profile to sRGB when it is RGB or RGBA and carries one; any other image, and
+    one whose profile cannot be used, as it is (why: the module doc)."""
     from PIL import Image
 
     assert isinstance(img, Image.Image)
