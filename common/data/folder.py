@@ -117,7 +117,8 @@ def _is_image_file(path: Path) -> bool:
     return not path.name.startswith(".") and path.suffix.lower() in SUFFIXES and path.is_file()
 
 
-UNREAD_ADVICE = "a format FedForge does not read: convert it to PNG, JPEG or TIFF"
+UNREAD_FORMAT = "a format FedForge does not read"
+UNREAD_ADVICE = f"{UNREAD_FORMAT}: convert it to PNG, JPEG or TIFF"  # each such file's reason for being left out
 
 
 @dataclass(frozen=True)
@@ -150,24 +151,31 @@ def _relative(path: Path, root: Path) -> str:
 
 
 def unread_files(folder: Path) -> UnreadFiles:
-    """The files under ``folder`` (any depth, as `image_files` walks) that it does not read as images, sorted.
+    """The files under ``folder`` (any depth, as `image_files` walks) that it does not read as images, sorted (`scan_folder`)."""
+    return scan_folder(folder)[1]
 
-    Why: a class folder whose camera writes ``.heic`` or raw files (or images under a suffix outside `SUFFIXES`) would
-    otherwise train the federation without those images, or without the class, and say nothing."""
-    images, others = [], []
+
+def scan_folder(folder: Path) -> tuple[list[Path], UnreadFiles]:
+    """`image_files` and `unread_files` of ``folder`` from one walk of it (a data set's folders are walked once at start).
+
+    Why the files not read are kept: a class folder whose camera writes ``.heic`` or raw files (or images under a suffix
+    outside `SUFFIXES`) would otherwise train the federation without those images, or without the class, and say nothing."""
+    images, unread_images, others = [], [], []
     for path in sorted(_walk_files(folder)):
         suffix = path.suffix.lower()
-        if suffix not in SUFFIXES:
-            (images if suffix in UNREAD_IMAGE_SUFFIXES else others).append(path)
-    return UnreadFiles(tuple(images), tuple(others))
+        if suffix in SUFFIXES:
+            images.append(path)
+        else:
+            (unread_images if suffix in UNREAD_IMAGE_SUFFIXES else others).append(path)
+    return images, UnreadFiles(tuple(unread_images), tuple(others))
 
 
 def _report_unread(root: Path, unread: UnreadFiles, what: str = "data folder") -> None:
     """Log what ``root`` holds that is not read: a warning when image files are among them (their images are lost to
     training until converted), else a note (side files are common and harmless)."""
     if unread.images:
-        log.warning("%s %s: %s; the %d image files among them are in %s", what, root, unread.describe(root), len(unread.images),
-                    UNREAD_ADVICE.replace("convert it", "convert them"))
+        log.warning("%s %s: %s; the %d image files among them are in %s: convert them to PNG, JPEG or TIFF", what, root,
+                    unread.describe(root), len(unread.images), UNREAD_FORMAT)
     elif unread.others:
         log.info("%s %s: %s (formats read: %s)", what, root, unread.describe(root), " ".join(sorted(SUFFIXES)))
 
@@ -194,15 +202,17 @@ def index_image_folder(root: str | Path, classes: Sequence[str] = DEFAULT_CLASSE
     loose = [p.name for p in root.iterdir() if _is_image_file(p)]
     if loose:
         log.warning("data folder %s: %d images outside any class folder are ignored (e.g. %s)", root, len(loose), loose[0])
-    paths, names, unread = [], [], UnreadFiles()
+    paths, names, unread_images, others = [], [], [], []
     for folder in folders:
-        images, not_read = image_files(root / folder), unread_files(root / folder)
+        images, not_read = scan_folder(root / folder)
         if not images and not_read:
             log.warning("data folder %s: class folder %r holds no image file it reads, so class %r gets no images from it: %s",
                         root, folder, mapping[folder], not_read.describe(root))
         paths.extend(images)
         names.extend([mapping[folder]] * len(images))
-        unread = UnreadFiles(unread.images + not_read.images, unread.others + not_read.others)
+        unread_images.extend(not_read.images)
+        others.extend(not_read.others)
+    unread = UnreadFiles(tuple(unread_images), tuple(others))
     if not paths:
         raise DatasetError(f"data folder {root} holds no image files (expected {root}/<class>/<image>.png; formats {sorted(SUFFIXES)})"
                            + (f"; {unread.describe(root)}" if unread else ""))
@@ -326,10 +336,10 @@ def load_unlabelled_folder(root: str | Path, size: int = DEFAULT_SIZE, channels:
     if not root.is_dir():
         raise DatasetError(f"proxy folder {root} does not exist or is not a directory")
     report, images = FolderReport(), []
-    unread = unread_files(root)
+    paths, unread = scan_folder(root)
     _report_unread(root, unread, "proxy folder")
     report.skipped.extend((str(path), UNREAD_ADVICE) for path in unread.images)
-    for path in image_files(root):
+    for path in paths:
         try:
             images.append(read_image(path, size, channels, bit_depth))
         except ImageError as exc:

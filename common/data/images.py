@@ -207,14 +207,14 @@ def _srgb_transform(icc: bytes, mode: str) -> object | None:
 
     try:
         source = ImageCms.ImageCmsProfile(io.BytesIO(icc))
-        return ImageCms.buildTransform(source, _SRGB(), mode, ICC_MODES[mode], ImageCms.Intent.RELATIVE_COLORIMETRIC,
+        return ImageCms.buildTransform(source, _srgb_profile(), mode, ICC_MODES[mode], ImageCms.Intent.RELATIVE_COLORIMETRIC,
                                        flags=ImageCms.Flags.NOCACHE)
     except (ImageCms.PyCMSError, OSError, ValueError, TypeError):
         return None
 
 
 @functools.lru_cache(maxsize=1)
-def _SRGB() -> object:
+def _srgb_profile() -> object:
     from PIL import ImageCms
 
     return ImageCms.createProfile("sRGB")
