@@ -490,7 +490,7 @@ def test_every_format_a_camera_or_export_tool_writes_reads_like_its_png(tmp_path
 
 def test_an_embedded_colour_profile_is_applied_so_a_wide_gamut_cameras_files_read_as_their_srgb_originals(tmp_path):
     """A camera set to Adobe RGB writes its colours in that space, with the profile in the file: read as stored they are
-    washed out (a red panel by 0.1 to 0.2 of the range); with the profile applied they read as the sRGB original does, in
+    washed out (this ramp by more than 0.1 of the range); with the profile applied they read as the sRGB original does, in
     PNG, TIFF, JPEG and WebP, with transparency and an EXIF orientation too. A file without a profile, or with a malformed
     one, is read as stored."""
     from PIL import ImageCms
