@@ -232,6 +232,41 @@ def test_a_large_jpeg_decodes_at_a_reduced_scale_to_what_the_full_image_gives(tm
     assert content_keys(streamed) != before
 
 
+def test_a_high_resolution_cameras_images_are_read_and_only_what_would_decode_too_large_is_refused(tmp_path, monkeypatch):
+    """A 192-megapixel JPEG (over Pillow's own refusal at 179 and the 64 FedForge refused before) is read without a warning:
+    it decodes at 1/8. The pixel limit counts what would be decoded, so a JPEG over it nominally is read and a PNG of the
+    same pixels refused by name, in a folder as alone; an inspection request's image has its own, lower limit."""
+    import warnings
+
+    from common.data import images
+    from common.data.images import ImageError, decode_image_bytes
+
+    frame = np.full((12000, 16000), 40, np.uint8)
+    frame[:, 8000:] = 220  # dark left half, bright right half
+    Image.fromarray(frame).save(tmp_path / "frame.jpg", quality=90)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Pillow's DecompressionBombWarning included
+        read = read_image(tmp_path / "frame.jpg", 64)
+    assert read.shape == (1, 64, 64) and abs(read[0, 32, 2] - 40 / 255) < 0.02 and abs(read[0, 32, 60] - 220 / 255) < 0.02
+
+    dark = np.zeros((8000, 9000), np.uint8)  # 72 Mpx in 70 kB of PNG: read from a folder, refused in a request
+    Image.fromarray(dark).save(tmp_path / "dark.png")
+    assert read_image(tmp_path / "dark.png", 32).max() == 0
+    with pytest.raises(ImageError, match="9000x8000 pixels exceeds the 64,000,000 pixel limit"):
+        decode_image_bytes((tmp_path / "dark.png").read_bytes(), 32)
+
+    monkeypatch.setattr(images, "MAX_PIXELS", 1_000_000)
+    pixels = np.tile(np.linspace(0, 255, 1200).astype(np.uint8), (1000, 1))
+    (tmp_path / "folder" / "good").mkdir(parents=True)
+    for name, value in (("a.png", pixels), ("a.jpg", pixels), ("b.png", pixels[::-1, ::-1])):
+        Image.fromarray(value).save(tmp_path / "folder" / "good" / name)
+    with pytest.raises(ImageError, match=r"a\.png: 1200x1000 pixels exceeds the 1,000,000 pixel limit"):
+        read_image(tmp_path / "folder" / "good" / "a.png", 64)
+    assert read_image(tmp_path / "folder" / "good" / "a.jpg", 64).shape == (1, 64, 64)  # decoded at 1/4: 300 x 250
+    data, report = load_image_folder(tmp_path / "folder", size=64, classes=("good",))
+    assert len(data) == 1 and sorted(Path(p).name for p, _ in report.skipped) == ["a.png", "b.png"]
+
+
 def test_a_photographs_exif_orientation_is_applied_as_a_viewer_shows_it(tmp_path):
     """A camera that stores a portrait photograph as landscape pixels plus an orientation tag reads like the photograph
     an export already turned upright, in every format, from a folder and from an inspection request alike; a large JPEG

@@ -35,6 +35,9 @@ and an inspection station's request are resized the same way:
   twice ``size`` on either side, then resized as above: a 6-megapixel photograph decodes about 5x faster
   (`bench/data_loading.py --photos`), and the
   pixels ``size`` keeps are averaged from the same area of the photograph.
+- **A pixel limit on what is decoded** (`MAX_PIXELS`, 256 Mpx; 64 for more than 8 bits per sample and for an inspection
+  request), counted after a JPEG's reduction: a high-resolution camera's JPEGs are read however large, a PNG or TIFF
+  over the limit is refused naming the file. Pillow's own check, on a file's nominal size, is off (`_pillow`).
 - **Colour TIFFs of more than 8 bits per sample** (16-bit or float RGB, interleaved or planar) are read with tifffile
   (`common.data.tiff`) and scaled like grey images of more bits, by ``bit_depth`` for integer samples. Pillow reads
   such files by each sample's high byte, ignoring the bit depth (12-bit colour reads nearly black), reads planar ones
@@ -89,7 +92,12 @@ DEEP_PNG_RAWMODES = frozenset({"RGB;16B", "RGBA;16B", "LA;16B"})  # 16-bit colou
 ALPHA_BACKGROUND = (255, 255, 255)  # what transparent pixels show (`flatten_alpha`)
 ALPHA_MODES = frozenset({"RGBA", "RGBa", "LA", "La", "PA"})
 JPEG_DRAFT = 2  # a JPEG is decoded at the smallest DCT scale that keeps both sides >= JPEG_DRAFT x size
-MAX_PIXELS = 64_000_000  # larger images are refused (decompression bombs)
+# The most pixels one image may decode to (larger ones are refused naming the file: decompression bombs, and memory), checked
+# after a JPEG's DCT-domain reduction (`JPEG_DRAFT`), so a 151-megapixel camera's JPEGs decode at 1/8 (2.4 Mpx, 55 MB, 0.24 s)
+# where the check on the nominal size refused them: 256 Mpx is a 16k line-scan camera's square frame, 1 GB in memory as RGB.
+MAX_PIXELS = 256_000_000
+MAX_DEEP_PIXELS = 64_000_000  # images of more than 8 bits per sample are scaled as floats (8 bytes a sample): a quarter
+MAX_REQUEST_PIXELS = 64_000_000  # an inspection request's image: its bytes are capped, but 8 MB of PNG can hold far more pixels
 CHANNELS = (1, 3)
 
 
@@ -320,27 +328,53 @@ def upright(img: object) -> object:
     return ImageOps.exif_transpose(img)
 
 
-def _decode(source: object, size: int, channels: int, name: str, bit_depth: int, decoding: int = DECODE_VERSION) -> np.ndarray:
-    from PIL import Image, UnidentifiedImageError
+@functools.cache
+def _pillow() -> object:
+    """Pillow's ``Image`` module with its own decompression-bomb check off: it judges a file by its nominal size at open
+    (warning over 89 Mpx, refusing over 179), where `_decode` judges the pixels it will decode, after a JPEG's reduction
+    (`check_pixels`). Every image FedForge decodes goes through `_decode`."""
+    from PIL import Image
 
+    Image.MAX_IMAGE_PIXELS = None
+    return Image
+
+
+def check_pixels(img: object, name: str, max_pixels: int) -> None:
+    """Refuse an opened (not yet loaded) image that would decode to more than ``max_pixels`` (`MAX_DEEP_PIXELS` at most for
+    more than 8 bits per sample), naming it."""
+    width, height = img.size  # type: ignore[attr-defined]
+    deep = img.mode in HIGH_DEPTH_MODES  # type: ignore[attr-defined]
+    limit = min(max_pixels, MAX_DEEP_PIXELS) if deep else max_pixels
+    if width * height > limit:
+        what = "more than 8 bits per sample" if deep else "8 bits per sample"
+        raise ImageError(f"{name}: {width}x{height} pixels exceeds the {limit:,} pixel limit for images of {what}"
+                         + ("" if max_pixels < MAX_PIXELS else "; scale such images down, or cut them into tiles, before training"))
+
+
+def _decode(source: object, size: int, channels: int, name: str, bit_depth: int, decoding: int = DECODE_VERSION,
+            max_pixels: int | None = None) -> np.ndarray:
+    """One encoded image -> float32 (channels, size, size) (the module doc); ``max_pixels``: `MAX_PIXELS` unless given."""
+    from PIL import UnidentifiedImageError
+
+    Image = _pillow()
+    max_pixels = MAX_PIXELS if max_pixels is None else max_pixels
     check_bit_depth(bit_depth)
     try:
         if reads_deep_colour(decoding):
             try:
-                deep = tiff.read_deep_colour(source, MAX_PIXELS)  # type: ignore[arg-type]
+                deep = tiff.read_deep_colour(source, min(max_pixels, MAX_DEEP_PIXELS))  # type: ignore[arg-type]
                 if deep is not None:
                     rgb = unit_range(deep.samples, deep.floating, bit_depth, "float colour TIFF" if deep.floating else "colour TIFF")
                     return deep_colour_to_array(deep.flattened(rgb), deep.orientation, size, channels, decoding)
             except (tiff.DeepColourError, ImageError) as exc:
                 raise ImageError(f"{name}: {exc}") from exc
-        with Image.open(source) as img:  # type: ignore[arg-type]
-            if img.width * img.height > MAX_PIXELS:
-                raise ImageError(f"{name}: {img.width}x{img.height} pixels exceeds the {MAX_PIXELS} pixel limit")
+        with Image.open(source) as img:  # type: ignore[arg-type,attr-defined]
+            if img.format == "JPEG":
+                img.draft(img.mode, (JPEG_DRAFT * size, JPEG_DRAFT * size))  # see the module doc: the same on every site
+            check_pixels(img, name, max_pixels)
             if reads_deep_colour(decoding) and bit_depth < 16 and img.format == "PNG" and _rawmode(img) in DEEP_PNG_RAWMODES:
                 raise ImageError(f"{name}: a 16-bit colour PNG cannot be read at bit-depth {bit_depth} (Pillow reads it by each "
                                  "sample's high byte, as 16 significant bits): save it as a TIFF, or set bit-depth 16")
-            if img.format == "JPEG":
-                img.draft(img.mode, (JPEG_DRAFT * size, JPEG_DRAFT * size))  # see the module doc: the same on every site
             unsigned_32 = _is_unsigned_32(_rawmode(img))
             img.load()  # raises on truncated files (LOAD_TRUNCATED_IMAGES stays off)
             try:
@@ -351,7 +385,7 @@ def _decode(source: object, size: int, channels: int, name: str, bit_depth: int,
                 raise ImageError(f"{name}: {exc}") from exc
     except ImageError:
         raise
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
         raise ImageError(f"{name}: cannot decode image: {exc}") from exc
 
 
@@ -409,7 +443,7 @@ def decode_image_bytes(data: bytes, size: int, channels: int = 1, max_bytes: int
         raise ImageError("empty image")
     if len(data) > max_bytes:
         raise ImageError(f"image of {len(data)} bytes exceeds the {max_bytes} byte limit")
-    return _decode(io.BytesIO(data), size, channels, "image", bit_depth, decoding)
+    return _decode(io.BytesIO(data), size, channels, "image", bit_depth, decoding, MAX_REQUEST_PIXELS)
 
 
 COLOUR_CHROMA = 0.02  # median mean chroma above which images count as colour (grey images saved as RGB PNG or JPEG: 0)
