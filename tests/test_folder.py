@@ -235,7 +235,8 @@ def test_a_large_jpeg_decodes_at_a_reduced_scale_to_what_the_full_image_gives(tm
 def test_a_high_resolution_cameras_images_are_read_and_only_what_would_decode_too_large_is_refused(tmp_path, monkeypatch):
     """A 192-megapixel JPEG (over Pillow's own refusal at 179 and the 64 FedForge refused before) is read without a warning:
     it decodes at 1/8. The pixel limit counts what would be decoded, so a JPEG over it nominally is read and a PNG of the
-    same pixels refused by name, in a folder as alone; an inspection request's image has its own, lower limit."""
+    same pixels refused by name, in a folder as alone; an inspection request's image has its own, lower limit, and a deep
+    colour TIFF the deep-sample limit, in the same words."""
     import warnings
 
     from common.data import images
@@ -265,6 +266,16 @@ def test_a_high_resolution_cameras_images_are_read_and_only_what_would_decode_to
     assert read_image(tmp_path / "folder" / "good" / "a.jpg", 64).shape == (1, 64, 64)  # decoded at 1/4: 300 x 250
     data, report = load_image_folder(tmp_path / "folder", size=64, classes=("good",))
     assert len(data) == 1 and sorted(Path(p).name for p, _ in report.skipped) == ["a.png", "b.png"]
+
+    import tifffile  # a deep colour TIFF (read by tifffile, not Pillow) meets the same limit, by the same words
+
+    monkeypatch.setattr(images, "MAX_DEEP_PIXELS", 100_000)
+    deep = np.repeat(np.tile(np.linspace(0, 65535, 400), (300, 1))[..., None], 3, axis=2).astype(np.uint16)
+    tifffile.imwrite(tmp_path / "deep.tif", deep, photometric="rgb")
+    tifffile.imwrite(tmp_path / "small.tif", deep[:200, :200], photometric="rgb")
+    assert read_image(tmp_path / "small.tif", 64, 3, bit_depth=16).shape == (3, 64, 64)
+    with pytest.raises(ImageError, match=r"deep\.tif: 400x300 pixels exceeds the 100,000 pixel limit for images of more than 8 bits"):
+        read_image(tmp_path / "deep.tif", 64, 3, bit_depth=16)
 
 
 def test_a_photographs_exif_orientation_is_applied_as_a_viewer_shows_it(tmp_path):

@@ -339,16 +339,23 @@ def _pillow() -> object:
     return Image
 
 
-def check_pixels(img: object, name: str, max_pixels: int) -> None:
-    """Refuse an opened (not yet loaded) image that would decode to more than ``max_pixels`` (`MAX_DEEP_PIXELS` at most for
-    more than 8 bits per sample), naming it."""
-    width, height = img.size  # type: ignore[attr-defined]
-    deep = img.mode in HIGH_DEPTH_MODES  # type: ignore[attr-defined]
+def pixel_limit_error(width: int, height: int, deep: bool, max_pixels: int) -> str | None:
+    """Why an image of ``width`` x ``height`` pixels (``deep``: more than 8 bits per sample, limited to `MAX_DEEP_PIXELS`
+    at most) would decode to too many pixels for ``max_pixels``; None when it would not. One message for every reader."""
     limit = min(max_pixels, MAX_DEEP_PIXELS) if deep else max_pixels
-    if width * height > limit:
-        what = "more than 8 bits per sample" if deep else "8 bits per sample"
-        raise ImageError(f"{name}: {width}x{height} pixels exceeds the {limit:,} pixel limit for images of {what}"
-                         + ("" if max_pixels < MAX_PIXELS else "; scale such images down, or cut them into tiles, before training"))
+    if width * height <= limit:
+        return None
+    what = "more than 8 bits per sample" if deep else "8 bits per sample"
+    return (f"{width}x{height} pixels exceeds the {limit:,} pixel limit for images of {what}"
+            + ("" if max_pixels < MAX_PIXELS else "; scale such images down, or cut them into tiles, before training"))
+
+
+def check_pixels(img: object, name: str, max_pixels: int) -> None:
+    """Refuse an opened (not yet loaded) image that would decode to more than ``max_pixels`` (`pixel_limit_error`), naming it."""
+    width, height = img.size  # type: ignore[attr-defined]
+    error = pixel_limit_error(width, height, img.mode in HIGH_DEPTH_MODES, max_pixels)  # type: ignore[attr-defined]
+    if error:
+        raise ImageError(f"{name}: {error}")
 
 
 def _decode(source: object, size: int, channels: int, name: str, bit_depth: int, decoding: int = DECODE_VERSION,
@@ -362,7 +369,8 @@ def _decode(source: object, size: int, channels: int, name: str, bit_depth: int,
     try:
         if reads_deep_colour(decoding):
             try:
-                deep = tiff.read_deep_colour(source, min(max_pixels, MAX_DEEP_PIXELS))  # type: ignore[arg-type]
+                too_large = functools.partial(pixel_limit_error, deep=True, max_pixels=max_pixels)
+                deep = tiff.read_deep_colour(source, too_large)  # type: ignore[arg-type]
                 if deep is not None:
                     rgb = unit_range(deep.samples, deep.floating, bit_depth, "float colour TIFF" if deep.floating else "colour TIFF")
                     return deep_colour_to_array(deep.flattened(rgb), deep.orientation, size, channels, decoding)

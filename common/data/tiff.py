@@ -16,6 +16,7 @@ alpha channel (``ExtraSamples`` 1 or 2) is composited onto white, as `common.dat
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,9 +62,10 @@ def _is_tiff(source: Path | io.BytesIO) -> bool:
     return head in TIFF_MAGIC
 
 
-def read_deep_colour(source: Path | io.BytesIO, max_pixels: int) -> DeepColour | None:
+def read_deep_colour(source: Path | io.BytesIO, too_large: Callable[[int, int], str | None]) -> DeepColour | None:
     """The first page of a colour TIFF of more than 8 bits per sample; None for any other file, which Pillow reads.
-    Raises `DeepColourError` for an image over ``max_pixels`` or samples that are neither unsigned nor float."""
+    Raises `DeepColourError` with ``too_large(width, height)``'s message (the pixel limit every reader shares,
+    `common.data.images.pixel_limit_error`) before decoding, or for samples that are neither unsigned nor float."""
     if not _is_tiff(source):
         return None
     import tifffile
@@ -75,8 +77,9 @@ def read_deep_colour(source: Path | io.BytesIO, max_pixels: int) -> DeepColour |
             page = tif.pages[0]
             if not (page.photometric == RGB_PHOTOMETRIC and page.samplesperpixel >= 3 and page.bitspersample > 8):
                 return None
-            if page.imagelength * page.imagewidth > max_pixels:
-                raise DeepColourError(f"{page.imagewidth}x{page.imagelength} pixels exceeds the {max_pixels} pixel limit")
+            error = too_large(page.imagewidth, page.imagelength)
+            if error:
+                raise DeepColourError(error)
             data = page.asarray()
             orientation_tag = page.tags.get("Orientation")
             orientation = int(orientation_tag.value) if orientation_tag is not None else 1
