@@ -591,6 +591,28 @@ def test_files_in_a_format_not_read_are_named_never_dropped_in_silence(tmp_path,
         index_image_folder(only_heif, FEDERATION)
 
 
+def test_an_agent_indexing_its_folder_every_round_warns_about_the_same_files_once(tmp_path, caplog):
+    """The agent indexes its folder again before every round to see images added since: HEIF files, loose images and an
+    empty class folder are warned about once, a repeat goes to DEBUG, and a change (one HEIF file more) is warned again."""
+    _write(tmp_path / "good" / "0.png")
+    _write(tmp_path / "loose.png")
+    (tmp_path / "dent").mkdir()
+    (tmp_path / "dent" / "IMG_0000.heic").write_bytes(bytes(16))
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+    with caplog.at_level("DEBUG", logger="common.data.folder"):
+        for _ in range(3):
+            index_image_folder(tmp_path, FEDERATION)
+        assert len(warnings()) == 3, warnings()  # loose images, the empty class folder, the file not read: each once
+        assert sum("as when this folder was indexed before" in r.getMessage() for r in caplog.records if r.levelname == "DEBUG") == 6
+        caplog.clear()
+        (tmp_path / "dent" / "IMG_0001.heic").write_bytes(bytes(16))
+        index_image_folder(tmp_path, FEDERATION)
+    assert any(".heic 2" in w for w in warnings()) and not any("loose.png" in w for w in warnings())
+
+
 def test_an_image_filed_under_two_classes_is_left_out_naming_every_copy(tmp_path, caplog):
     """An operator copied a dent into good/ instead of moving it: no copy of it trains or is held out, each is named with
     the others, and the factory's split still pairs every image with its own label. A copy within one class, and

@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +28,29 @@ from common.data.images import DEFAULT_BIT_DEPTH, SUFFIXES, UNREAD_IMAGE_SUFFIXE
 from common.data.synth import DEFAULT_SIZE
 
 log = logging.getLogger(__name__)
+
+
+class _LoggedOnce:
+    """What indexing a folder said already, so that an agent that indexes its folder again every round (to see images
+    added since) warns about the same HEIF files or loose images once, not every round: a repeat goes to DEBUG, and a
+    message that changed (a file more) is logged again. Bounded, thread-safe (the agent indexes off its event loop)."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._capacity, self._lock = capacity, threading.Lock()
+
+    def __call__(self, level: int, msg: str, *args: object) -> None:
+        text = msg % args if args else msg
+        with self._lock:
+            repeat = text in self._seen
+            self._seen[text] = None
+            self._seen.move_to_end(text)
+            while len(self._seen) > self._capacity:
+                self._seen.popitem(last=False)
+        log.log(logging.DEBUG if repeat else level, "%s%s", text, " (as when this folder was indexed before)" if repeat else "")
+
+
+_log_once = _LoggedOnce()
 
 IMAGE_SUFFIXES = SUFFIXES
 TRAIN_NAMES = ("train", "training")  # a factory's training folder, by the names data sets commonly give it
@@ -172,12 +197,12 @@ def scan_folder(folder: Path) -> tuple[list[Path], UnreadFiles]:
 
 def _report_unread(root: Path, unread: UnreadFiles, what: str = "data folder") -> None:
     """Log what ``root`` holds that is not read: a warning when image files are among them (their images are lost to
-    training until converted), else a note (side files are common and harmless)."""
+    training until converted), else a note (side files are common and harmless); each once while it stays so (`_LoggedOnce`)."""
     if unread.images:
-        log.warning("%s %s: %s; the %d image files among them are in %s: convert them to PNG, JPEG or TIFF", what, root,
-                    unread.describe(root), len(unread.images), UNREAD_FORMAT)
+        _log_once(logging.WARNING, "%s %s: %s; the %d image files among them are in %s: convert them to PNG, JPEG or TIFF", what, root,
+                  unread.describe(root), len(unread.images), UNREAD_FORMAT)
     elif unread.others:
-        log.info("%s %s: %s (formats read: %s)", what, root, unread.describe(root), " ".join(sorted(SUFFIXES)))
+        _log_once(logging.INFO, "%s %s: %s (formats read: %s)", what, root, unread.describe(root), " ".join(sorted(SUFFIXES)))
 
 
 def index_image_folder(root: str | Path, classes: Sequence[str] = DEFAULT_CLASSES, aliases: Mapping[str, str] | None = None) -> FolderIndex:
@@ -201,13 +226,13 @@ def index_image_folder(root: str | Path, classes: Sequence[str] = DEFAULT_CLASSE
         raise DatasetError(str(exc)) from None
     loose = [p.name for p in root.iterdir() if _is_image_file(p)]
     if loose:
-        log.warning("data folder %s: %d images outside any class folder are ignored (e.g. %s)", root, len(loose), loose[0])
+        _log_once(logging.WARNING, "data folder %s: %d images outside any class folder are ignored (e.g. %s)", root, len(loose), loose[0])
     paths, names, unread_images, others = [], [], [], []
     for folder in folders:
         images, not_read = scan_folder(root / folder)
         if not images and not_read:
-            log.warning("data folder %s: class folder %r holds no image file it reads, so class %r gets no images from it: %s",
-                        root, folder, mapping[folder], not_read.describe(root))
+            _log_once(logging.WARNING, "data folder %s: class folder %r holds no image file it reads, so class %r gets no images from it: %s",
+                      root, folder, mapping[folder], not_read.describe(root))
         paths.extend(images)
         names.extend([mapping[folder]] * len(images))
         unread_images.extend(not_read.images)
