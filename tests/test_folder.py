@@ -343,7 +343,8 @@ def test_cmyk_images_read_like_their_rgb_originals(tmp_path):
 
 def test_sixteen_bit_and_float_camera_images_keep_their_range(tmp_path):
     """A 16-bit grey PNG or TIFF (an industrial camera's) reads as its 8-bit copy does, not clipped white as Pillow's
-    convert("L") would make it; a float TIFF in [0, 1] too; pixel values beyond the container's range are refused by name."""
+    convert("L") would make it; a float TIFF in [0, 1] too, of half, single or double precision, and a 16-bit one with
+    alpha (Pillow opens neither); pixel values beyond the container's range are refused by name."""
     from common.data.images import ImageError, decode_image_bytes
 
     ramp = np.linspace(0, 65535, 40 * 60).reshape(40, 60).astype(np.uint16)
@@ -371,6 +372,24 @@ def test_sixteen_bit_and_float_camera_images_keep_their_range(tmp_path):
     with pytest.raises(ImageError, match=r"huge\.tif: 32-bit unsigned grey image with pixel values in \[0, 4\.29497e\+09\]; "
                                          r"expected 16-bit \(0\.\.65535\)"):
         read_image(tmp_path / "huge.tif", 32)
+    # grey TIFFs Pillow cannot open ("cannot identify image file"): half- and double-precision floats, 16 bits with alpha
+    tifffile.imwrite(tmp_path / "half.tif", (ramp / 65535).astype(np.float16), photometric="minisblack")
+    tifffile.imwrite(tmp_path / "double.tif", ramp / 65535, photometric="minisblack")
+    alpha = np.full_like(ramp, 65535)
+    alpha[:, :12] = 0  # the left fifth transparent: reads white, as an 8-bit grey image with alpha does
+    tifffile.imwrite(tmp_path / "alpha.tif", np.stack([ramp, alpha], -1), photometric="minisblack", extrasamples=[2])
+    white = ramp.copy()
+    white[:, :12] = 65535
+    Image.fromarray((white // 257).astype(np.uint8)).save(tmp_path / "white.png")
+    for name, like in (("half.tif", "eight.png"), ("double.tif", "eight.png"), ("alpha.tif", "white.png")):
+        grey = read_image(tmp_path / name, 32, bit_depth=16)
+        assert np.abs(grey - read_image(tmp_path / like, 32)).max() < 0.01, name
+        assert np.allclose(decode_image_bytes((tmp_path / name).read_bytes(), 32, bit_depth=16), grey), name
+        rgb = read_image(tmp_path / name, 32, channels=3, bit_depth=16)
+        assert np.array_equal(rgb[0], rgb[2]) and np.allclose(rgb[0], grey[0], atol=1e-6), name
+    tifffile.imwrite(tmp_path / "hdr.tif", (ramp / 6553.5).astype(np.float16), photometric="minisblack")  # radiance, not [0, 1]
+    with pytest.raises(ImageError, match=r"hdr\.tif: float grey TIFF with pixel values in \[0, 10\]; expected \[0, 1\]"):
+        read_image(tmp_path / "hdr.tif", 32)
 
 
 def test_deep_colour_tiffs_read_as_their_eight_bit_copies_planar_interleaved_float_and_twelve_bit(tmp_path):

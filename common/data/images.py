@@ -372,7 +372,8 @@ def _decode(source: object, size: int, channels: int, name: str, bit_depth: int,
                 too_large = functools.partial(pixel_limit_error, deep=True, max_pixels=max_pixels)
                 deep = tiff.read_deep_colour(source, too_large)  # type: ignore[arg-type]
                 if deep is not None:
-                    rgb = unit_range(deep.samples, deep.floating, bit_depth, "float colour TIFF" if deep.floating else "colour TIFF")
+                    kind = "colour" if deep.colours == 3 else "grey"
+                    rgb = unit_range(deep.samples, deep.floating, bit_depth, f"float {kind} TIFF" if deep.floating else f"{kind} TIFF")
                     return deep_colour_to_array(deep.flattened(rgb), deep.orientation, size, channels, decoding)
             except (tiff.DeepColourError, ImageError) as exc:
                 raise ImageError(f"{name}: {exc}") from exc

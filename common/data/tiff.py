@@ -6,7 +6,10 @@ Why: Pillow has no colour mode of more than 8 bits per sample, and reads such TI
   ignored: a colour camera that writes 12 significant bits into 16-bit samples reads as 0..15 of 255, nearly black;
 - a planar one (``PlanarConfiguration`` 2, each channel stored apart, as scientific and multi-spectral cameras write it)
   as 8-bit planes cut out of the 16-bit data: a red square reads as light grey;
-- a float colour TIFF (``SampleFormat`` 3) not at all.
+- a float colour TIFF (``SampleFormat`` 3) not at all;
+- and of grey TIFFs, those of half- or double-precision floats (a 16- or 64-bit ``SampleFormat`` 3: HDR and scientific
+  exports) and those of more than 8 bits with an alpha channel, not at all ("cannot identify image file"). Grey TIFFs
+  Pillow reads (8, 16 and 32 bits, 32-bit floats) stay with Pillow, so their decoding does not change.
 
 Here the samples are read as numbers and scaled as grey images of more bits are (`common.data.images`): unsigned
 integers by ``2**bit_depth - 1``, floats taken as they are within [0, 1], anything else refused naming the file. An
@@ -23,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 TIFF_MAGIC = (b"II*\x00", b"MM\x00*")
-RGB_PHOTOMETRIC = 2
+MIN_IS_BLACK, RGB_PHOTOMETRIC = 1, 2
 SEPARATE_PLANES = 2
 FLOAT_SAMPLES, UNSIGNED_SAMPLES = 3, 1
 ASSOCIATED_ALPHA, UNASSOCIATED_ALPHA = 1, 2  # TIFF ExtraSamples: premultiplied, straight
@@ -38,18 +41,20 @@ class DeepColour:
     """A deep colour TIFF's first page as stored: its samples as numbers, not yet scaled (the caller scales them by the
     factory's bit depth, `common.data.images.unit_range`)."""
 
-    samples: np.ndarray  # float64 (H, W, S), S >= 3: R, G, B and any extra samples
+    samples: np.ndarray  # float64 (H, W, S): R, G, B (or one grey sample) and any extra samples
     floating: bool  # float samples (taken as they are within [0, 1]), else unsigned integers
     alpha: int  # ASSOCIATED_ALPHA, UNASSOCIATED_ALPHA, or 0: no alpha channel
     orientation: int  # the Orientation tag (1-8; 1 when absent)
+    colours: int = 3  # 3: R, G, B; 1: grey
 
     def flattened(self, unit: np.ndarray) -> np.ndarray:
-        """The scaled samples ``unit`` (H, W, S) in [0, 1] as RGB, an alpha channel composited onto white; an alpha that
-        hides every pixel is not meant as one (as `common.data.images.flatten_alpha`), so such an image reads as its colours."""
-        rgb = unit[..., :3]
-        if not self.alpha or not unit[..., 3].any():
+        """The scaled samples ``unit`` (H, W, S) in [0, 1] as RGB (grey as three equal channels), an alpha channel
+        composited onto white; an alpha that hides every pixel is not meant as one (as `common.data.images.flatten_alpha`),
+        so such an image reads as its colours."""
+        rgb = np.repeat(unit[..., :1], 3, axis=-1) if self.colours == 1 else unit[..., :3]
+        if not self.alpha or not unit[..., self.colours].any():
             return rgb
-        a = unit[..., 3:4]
+        a = unit[..., self.colours:self.colours + 1]
         return (rgb if self.alpha == ASSOCIATED_ALPHA else rgb * a) + (1.0 - a)
 
 
@@ -62,8 +67,19 @@ def _is_tiff(source: Path | io.BytesIO) -> bool:
     return head in TIFF_MAGIC
 
 
+def _read_here(photometric: int, samples: int, bits: int, sample_format: int) -> bool:
+    """Whether a TIFF page is read here rather than by Pillow (the module doc): colour of more than 8 bits per sample, or a
+    grey kind Pillow cannot open."""
+    if photometric == RGB_PHOTOMETRIC:
+        return samples >= 3 and bits > 8
+    if photometric == MIN_IS_BLACK:
+        return (sample_format == FLOAT_SAMPLES and (bits != 32 or samples > 1)) or (bits > 8 and samples > 1)
+    return False
+
+
 def read_deep_colour(source: Path | io.BytesIO, too_large: Callable[[int, int], str | None]) -> DeepColour | None:
-    """The first page of a colour TIFF of more than 8 bits per sample; None for any other file, which Pillow reads.
+    """The first page of a colour TIFF of more than 8 bits per sample, or of a grey TIFF Pillow cannot open (the module
+    doc); None for any other file, which Pillow reads.
     Raises `DeepColourError` with ``too_large(width, height)``'s message (the pixel limit every reader shares,
     `common.data.images.pixel_limit_error`) before decoding, or for samples that are neither unsigned nor float."""
     if not _is_tiff(source):
@@ -75,8 +91,9 @@ def read_deep_colour(source: Path | io.BytesIO, too_large: Callable[[int, int], 
     try:
         with tifffile.TiffFile(source) as tif:
             page = tif.pages[0]
-            if not (page.photometric == RGB_PHOTOMETRIC and page.samplesperpixel >= 3 and page.bitspersample > 8):
+            if not _read_here(int(page.photometric), page.samplesperpixel, page.bitspersample, int(page.sampleformat)):
                 return None
+            colours = 3 if page.photometric == RGB_PHOTOMETRIC else 1
             error = too_large(page.imagewidth, page.imagelength)
             if error:
                 raise DeepColourError(error)
@@ -93,9 +110,14 @@ def read_deep_colour(source: Path | io.BytesIO, too_large: Callable[[int, int], 
     finally:
         if isinstance(source, io.BytesIO):
             source.seek(0)
+    kind = "colour" if colours == 3 else "grey"
     if sample_format not in (FLOAT_SAMPLES, UNSIGNED_SAMPLES):
-        raise DeepColourError(f"colour TIFF of signed {data.dtype} samples; expected unsigned integers or floats in [0, 1]")
-    if planar:
+        raise DeepColourError(f"{kind} TIFF of signed {data.dtype} samples; expected unsigned integers or floats in [0, 1]")
+    if planar and data.ndim == 3:
         data = np.moveaxis(data, 0, -1)
-    alpha = extra[0] if extra and extra[0] in (ASSOCIATED_ALPHA, UNASSOCIATED_ALPHA) and data.shape[-1] > 3 else 0
-    return DeepColour(np.asarray(data, dtype=np.float64), sample_format == FLOAT_SAMPLES, alpha, orientation)
+    if data.ndim == 2:
+        data = data[..., None]
+    if data.ndim != 3:
+        raise DeepColourError(f"{kind} TIFF page of shape {data.shape}; expected height x width x samples")
+    alpha = extra[0] if extra and extra[0] in (ASSOCIATED_ALPHA, UNASSOCIATED_ALPHA) and data.shape[-1] > colours else 0
+    return DeepColour(np.asarray(data, dtype=np.float64), sample_format == FLOAT_SAMPLES, alpha, orientation, colours)
