@@ -396,7 +396,9 @@ def test_deep_colour_tiffs_read_as_their_eight_bit_copies_planar_interleaved_flo
     """A colour camera's 16-bit TIFFs read as their 8-bit copy: interleaved, planar (Pillow reads planar 16-bit RGB as
     garbage: a red square as light grey), float in [0, 1] (which Pillow cannot open), and 12 significant bits with
     bit-depth 12 (which Pillow reads by the high byte, nearly black); with an alpha channel flattened onto white; turned
-    by the TIFF's orientation tag; Inspection's bytes read alike. Samples beyond the range are refused by name, and a
+    by the TIFF's orientation tag; LZW-compressed (tifffile with imagecodecs); Inspection's bytes read alike. Samples beyond
+    the range are refused by name, and so is a deep TIFF that cannot be decoded (cut short, or a codec missing), never
+    handed to Pillow to misread; a
     16-bit colour PNG, which Pillow reads by the high byte only, is refused below bit-depth 16."""
     import tifffile
 
@@ -418,8 +420,14 @@ def test_deep_colour_tiffs_read_as_their_eight_bit_copies_planar_interleaved_flo
     tifffile.imwrite(tmp_path / "cut-out.tif", np.concatenate([sixteen, alpha], -1), photometric="rgb", extrasamples=[2])
     tifffile.imwrite(tmp_path / "turned.tif", np.ascontiguousarray(np.rot90(sixteen, 1)), photometric="rgb",
                      extratags=[(274, "H", 1, 6, True)])  # stored turned a quarter anticlockwise; orientation 6 turns it back
+    # LZW, as most camera SDKs and ImageJ write them: tifffile decodes it only with imagecodecs; Pillow would read the high byte
+    tifffile.imwrite(tmp_path / "lzw.tif", sixteen, photometric="rgb", compression="lzw", predictor=True)
+    tifffile.imwrite(tmp_path / "lzw-planar.tif", np.moveaxis(sixteen, -1, 0), photometric="rgb", planarconfig="separate",
+                     compression="lzw")
+    tifffile.imwrite(tmp_path / "lzw-twelve.tif", np.round(rgb * 4095).astype(np.uint16), photometric="rgb", compression="lzw")
     assert np.abs(np.asarray(Image.open(tmp_path / "planar.tif").convert("RGB"), np.float64) / 255 - rgb).max() > 0.3  # Pillow's reading
-    for name, bits in (("interleaved.tif", 16), ("planar.tif", 16), ("float.tif", 16), ("twelve.tif", 12), ("turned.tif", 16)):
+    for name, bits in (("interleaved.tif", 16), ("planar.tif", 16), ("float.tif", 16), ("twelve.tif", 12), ("turned.tif", 16),
+                       ("lzw.tif", 16), ("lzw-planar.tif", 16), ("lzw-twelve.tif", 12)):
         got = read_image(tmp_path / name, 32, channels=3, bit_depth=bits)
         assert got.shape == (3, 32, 32) and got.dtype == np.float32
         assert np.abs(got - eight).max() < 0.01, name
@@ -439,6 +447,16 @@ def test_deep_colour_tiffs_read_as_their_eight_bit_copies_planar_interleaved_flo
     (tmp_path / "cut.tif").write_bytes((tmp_path / "planar.tif").read_bytes()[:2000])  # a copy that broke off
     with pytest.raises(ImageError, match=r"cut\.tif"):
         read_image(tmp_path / "cut.tif", 32, channels=3)
+    lzw = (tmp_path / "lzw-twelve.tif").read_bytes()
+    (tmp_path / "cut-lzw.tif").write_bytes(lzw[:len(lzw) // 2])  # refused naming why, never handed to Pillow to misread
+    with pytest.raises(ImageError, match=r"cut-lzw\.tif: colour TIFF of 16-bit samples compressed by LZW cannot be decoded"):
+        read_image(tmp_path / "cut-lzw.tif", 32, channels=3, bit_depth=12)
+    unknown = bytearray((tmp_path / "twelve.tif").read_bytes())  # a compression no codec here decodes (a camera maker's own)
+    offset = tifffile.TiffFile(tmp_path / "twelve.tif").pages[0].tags["Compression"].valueoffset
+    unknown[offset:offset + 2] = (65000).to_bytes(2, "little")
+    (tmp_path / "unknown.tif").write_bytes(bytes(unknown))
+    with pytest.raises(ImageError, match=r"unknown\.tif: colour TIFF of 16-bit samples compressed by \w+ cannot be decoded"):
+        read_image(tmp_path / "unknown.tif", 32, channels=3, bit_depth=12)
     png = _sixteen_bit_png(sixteen)
     (tmp_path / "sixteen.png").write_bytes(png)
     assert np.abs(read_image(tmp_path / "sixteen.png", 32, channels=3) - eight).max() < 0.01  # at 16 bits Pillow's high byte is right

@@ -165,6 +165,25 @@ def test_a_deep_colour_tiff_is_fed_to_each_version_as_its_training_images_were_r
     assert np.abs(old - new).max() > 0.2
 
 
+def test_an_lzw_deep_colour_tiff_is_fed_to_each_version_as_its_training_images_were_read():
+    """Deep TIFFs compressed by LZW (or another codec tifffile reads only with imagecodecs) are read by tifffile since
+    decoding 8; a version recorded with decoding 7 was trained on Pillow's reading of them, and is fed that."""
+    import tifffile
+
+    from common.data.images import DECODE_VERSION, TIFF_CODECS_DECODE, decode_image_bytes
+
+    rgb = np.zeros((32, 32, 3), np.uint16)
+    rgb[8:24, 8:24, 0] = 3000  # a red square on black from a 12-bit camera
+    buf = io.BytesIO()
+    tifffile.imwrite(buf, rgb, photometric="rgb", compression="lzw")
+    old = decode_image_bytes(buf.getvalue(), 32, 3, bit_depth=12, decoding=TIFF_CODECS_DECODE - 1)
+    new = decode_image_bytes(buf.getvalue(), 32, 3, bit_depth=12, decoding=DECODE_VERSION)
+    assert new[:, 16, 16] == pytest.approx([3000 / 4095, 0.0, 0.0])
+    pillow = np.asarray(Image.open(io.BytesIO(buf.getvalue())).convert("RGB"), np.float32).transpose(2, 0, 1) / 255
+    np.testing.assert_allclose(old, pillow, atol=1e-6)
+    assert old[0, 16, 16] < 0.1  # the high byte of 3000: nearly black
+
+
 def test_a_colour_managed_file_is_fed_to_each_version_as_its_training_images_were_read():
     """Embedded colour profiles are applied since decoding 7; a version recorded with decoding 6 was trained on the stored
     values, and is fed those."""

@@ -11,6 +11,10 @@ Why: Pillow has no colour mode of more than 8 bits per sample, and reads such TI
   exports) and those of more than 8 bits with an alpha channel, not at all ("cannot identify image file"). Grey TIFFs
   Pillow reads (8, 16 and 32 bits, 32-bit floats) stay with Pillow, so their decoding does not change.
 
+tifffile decompresses such a file itself only when stored uncompressed or by Deflate, PackBits or LZMA; LZW (the most
+common: camera SDKs, ImageJ, Photoshop), JPEG and the rest it decodes with imagecodecs, a FedForge dependency. A deep page
+it cannot decode is refused naming why, never handed to Pillow, which would misread it (`DeepColourError`).
+
 Here the samples are read as numbers and scaled as grey images of more bits are (`common.data.images`): unsigned
 integers by ``2**bit_depth - 1``, floats taken as they are within [0, 1], anything else refused naming the file. An
 alpha channel (``ExtraSamples`` 1 or 2) is composited onto white, as `common.data.images.flatten_alpha` does.
@@ -30,6 +34,9 @@ MIN_IS_BLACK, RGB_PHOTOMETRIC = 1, 2
 SEPARATE_PLANES = 2
 FLOAT_SAMPLES, UNSIGNED_SAMPLES = 3, 1
 ASSOCIATED_ALPHA, UNASSOCIATED_ALPHA = 1, 2  # TIFF ExtraSamples: premultiplied, straight
+# Compression tags tifffile decodes without imagecodecs: none, Adobe Deflate, Deflate, PackBits, LZMA. A model recorded with
+# a decoding from before every codec was read (`common.data.images.TIFF_CODECS_DECODE`) was fed Pillow's reading of the rest.
+BUILTIN_COMPRESSIONS = frozenset({1, 8, 32946, 32773, 34925})
 
 
 class DeepColourError(ValueError):
@@ -77,9 +84,24 @@ def _read_here(photometric: int, samples: int, bits: int, sample_format: int) ->
     return False
 
 
-def read_deep_colour(source: Path | io.BytesIO, too_large: Callable[[int, int], str | None]) -> DeepColour | None:
+def _decoded(page: object, colours: int) -> np.ndarray:
+    """A deep page's samples; raises `DeepColourError` naming its compression when tifffile cannot decode them (a codec
+    missing, a damaged file): handing the file to Pillow would read it wrongly, or not at all."""
+    try:
+        return page.asarray()  # type: ignore[attr-defined]
+    except Exception as exc:  # noqa: BLE001 - tifffile and its codecs raise many kinds; each means this file cannot be read
+        kind = "colour" if colours == 3 else "grey"
+        how = getattr(page.compression, "name", str(page.compression))  # type: ignore[attr-defined]
+        advice = "; install imagecodecs (pip install imagecodecs)" if "imagecodecs" in str(exc) else ""
+        raise DeepColourError(f"{kind} TIFF of {page.bitspersample}-bit samples compressed by {how} cannot be decoded: "  # type: ignore[attr-defined]
+                              f"{exc}{advice}") from exc
+
+
+def read_deep_colour(source: Path | io.BytesIO, too_large: Callable[[int, int], str | None],
+                     every_codec: bool = True) -> DeepColour | None:
     """The first page of a colour TIFF of more than 8 bits per sample, or of a grey TIFF Pillow cannot open (the module
-    doc); None for any other file, which Pillow reads.
+    doc); None for any other file, which Pillow reads, and (``every_codec`` false: for a model recorded before) for a page
+    compressed other than by `BUILTIN_COMPRESSIONS`.
     Raises `DeepColourError` with ``too_large(width, height)``'s message (the pixel limit every reader shares,
     `common.data.images.pixel_limit_error`) before decoding, or for samples that are neither unsigned nor float."""
     if not _is_tiff(source):
@@ -94,10 +116,13 @@ def read_deep_colour(source: Path | io.BytesIO, too_large: Callable[[int, int], 
             if not _read_here(int(page.photometric), page.samplesperpixel, page.bitspersample, int(page.sampleformat)):
                 return None
             colours = 3 if page.photometric == RGB_PHOTOMETRIC else 1
+            compression = int(page.compression)
+            if not every_codec and compression not in BUILTIN_COMPRESSIONS:
+                return None
             error = too_large(page.imagewidth, page.imagelength)
             if error:
                 raise DeepColourError(error)
-            data = page.asarray()
+            data = _decoded(page, colours)
             orientation_tag = page.tags.get("Orientation")
             orientation = int(orientation_tag.value) if orientation_tag is not None else 1
             extra = tuple(page.extrasamples)
