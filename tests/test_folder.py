@@ -611,14 +611,15 @@ def test_files_in_a_format_not_read_are_named_never_dropped_in_silence(tmp_path,
         (tmp_path / "dent" / f"IMG_{i:04d}.HEIC").parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "dent" / f"IMG_{i:04d}.HEIC").write_bytes(b"\0\0\0\x18ftypheic" + bytes(64))
     (tmp_path / "good" / "line-3.dng").write_bytes(b"II*\0" + bytes(64))
+    (tmp_path / "good" / "xray-7.dcm").write_bytes(bytes(128) + b"DICM")  # an X-ray line's DICONDE file
     (tmp_path / "good" / "README.txt").write_text("shift 2 images")
     with caplog.at_level("INFO"):
         index = index_image_folder(tmp_path, FEDERATION)
     assert index.counts() == {"good": 3}
-    assert sorted(p.name for p, _ in index.unread) == ["IMG_0000.HEIC", "IMG_0001.HEIC", "IMG_0002.HEIC", "line-3.dng"]
+    assert sorted(p.name for p, _ in index.unread) == ["IMG_0000.HEIC", "IMG_0001.HEIC", "IMG_0002.HEIC", "line-3.dng", "xray-7.dcm"]
     assert all("convert it to PNG, JPEG or TIFF" in why for _, why in index.unread)
     assert "class folder 'dent' holds no image file it reads, so class 'dent' gets no images from it" in caplog.text
-    assert "5 files are not read: .heic 3 (e.g. dent/IMG_0000.HEIC), .dng 1 (e.g. good/line-3.dng), .txt 1" in caplog.text
+    assert "6 files are not read: .heic 3 (e.g. dent/IMG_0000.HEIC), .dcm 1 (e.g. good/xray-7.dcm), .dng 1 (e.g. good/line-3.dng), .txt 1" in caplog.text
     _, report = load_labelled(index, FEDERATION, 16)
     assert report.loaded == 3 and sorted(Path(p).name for p, _ in report.skipped) == sorted(p.name for p, _ in index.unread)
     only_heif = tmp_path / "phone"

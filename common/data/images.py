@@ -72,10 +72,11 @@ from common.data import tiff
 
 SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".jfif", ".jpe", ".bmp", ".dib", ".tif", ".tiff", ".webp", ".gif", ".pgm", ".ppm",
                       ".pbm", ".pnm", ".jp2", ".j2k", ".avif", ".tga"})
-# Image formats met in factories' folders that Pillow cannot read (phones' HEIF, cameras' raw files, vector drawings): a file
-# of one of these is named as not read (`common.data.folder.unread_files`), with what to convert it to, never silently dropped.
+# Image formats met in factories' folders that Pillow cannot read (phones' HEIF, cameras' raw files, vector drawings, industrial
+# radiography's DICOM/DICONDE, JPEG XR): a file of one of these is named as not read (`common.data.folder.unread_files`), with
+# what to convert it to, never silently dropped.
 UNREAD_IMAGE_SUFFIXES = frozenset({".heic", ".heif", ".dng", ".cr2", ".cr3", ".nef", ".arw", ".orf", ".rw2", ".raf", ".raw", ".svg",
-                                   ".psd", ".exr", ".jxl"})
+                                   ".psd", ".exr", ".jxl", ".dcm", ".dicom", ".jxr", ".wdp", ".hdp"})
 # How files become arrays here, for caches keyed by a file's bytes (`common.features.content_keys`): bump it when decoding
 # changes what an encoded file decodes to. 2: large JPEGs decoded at a reduced scale (`JPEG_DRAFT`); 3: EXIF orientation
 # applied (`upright`); 4: line-scan strips folded (`fold_strip`); 5: transparency flattened onto white (`flatten_alpha`);
