@@ -89,7 +89,7 @@ def _decoded(page: object, colours: int) -> np.ndarray:
     missing, a damaged file): handing the file to Pillow would read it wrongly, or not at all."""
     try:
         return page.asarray()  # type: ignore[attr-defined]
-    except Exception as exc:  # noqa: BLE001 - tifffile and its codecs raise many kinds; each means this file cannot be read
+    except Exception as exc:  # tifffile and its codecs raise many kinds; each means this file cannot be read
         kind = "colour" if colours == 3 else "grey"
         how = getattr(page.compression, "name", str(page.compression))  # type: ignore[attr-defined]
         advice = "; install imagecodecs (pip install imagecodecs)" if "imagecodecs" in str(exc) else ""
