@@ -84,13 +84,12 @@ def _read_here(photometric: int, samples: int, bits: int, sample_format: int) ->
     return False
 
 
-def _decoded(page: object, colours: int) -> np.ndarray:
+def _decoded(page: object, kind: str) -> np.ndarray:
     """A deep page's samples; raises `DeepColourError` naming its compression when tifffile cannot decode them (a codec
     missing, a damaged file): handing the file to Pillow would read it wrongly, or not at all."""
     try:
         return page.asarray()  # type: ignore[attr-defined]
     except Exception as exc:  # tifffile and its codecs raise many kinds; each means this file cannot be read
-        kind = "colour" if colours == 3 else "grey"
         how = getattr(page.compression, "name", str(page.compression))  # type: ignore[attr-defined]
         advice = "; install imagecodecs (pip install imagecodecs)" if "imagecodecs" in str(exc) else ""
         raise DeepColourError(f"{kind} TIFF of {page.bitspersample}-bit samples compressed by {how} cannot be decoded: "  # type: ignore[attr-defined]
@@ -116,13 +115,14 @@ def read_deep_colour(source: Path | io.BytesIO, too_large: Callable[[int, int], 
             if not _read_here(int(page.photometric), page.samplesperpixel, page.bitspersample, int(page.sampleformat)):
                 return None
             colours = 3 if page.photometric == RGB_PHOTOMETRIC else 1
+            kind = "colour" if colours == 3 else "grey"
             compression = int(page.compression)
             if not every_codec and compression not in BUILTIN_COMPRESSIONS:
                 return None
             error = too_large(page.imagewidth, page.imagelength)
             if error:
                 raise DeepColourError(error)
-            data = _decoded(page, colours)
+            data = _decoded(page, kind)
             orientation_tag = page.tags.get("Orientation")
             orientation = int(orientation_tag.value) if orientation_tag is not None else 1
             extra = tuple(page.extrasamples)
@@ -135,7 +135,6 @@ def read_deep_colour(source: Path | io.BytesIO, too_large: Callable[[int, int], 
     finally:
         if isinstance(source, io.BytesIO):
             source.seek(0)
-    kind = "colour" if colours == 3 else "grey"
     if sample_format not in (FLOAT_SAMPLES, UNSIGNED_SAMPLES):
         raise DeepColourError(f"{kind} TIFF of signed {data.dtype} samples; expected unsigned integers or floats in [0, 1]")
     if planar and data.ndim == 3:
