@@ -19,3 +19,15 @@ def wide_gamut_profile() -> bytes:
             data[offset + 8:offset + 20] = struct.pack(">3i", *(round(v * 65536) for v in ADOBE_RGB_PRIMARIES[signature]))
     data[84:100] = bytes(16)
     return bytes(data)
+
+
+def gamma_profile(gamma: float = 1.8) -> bytes:
+    """`wide_gamut_profile` with a pure power tone curve (a ``curv`` tag of one gamma, as ProPhoto's 1.8) in place of
+    sRGB's parametric one: the other kind of tone curve an editor's profile carries."""
+    data = bytearray(wide_gamut_profile())
+    (count,) = struct.unpack(">I", data[128:132])
+    for i in range(count):
+        signature, offset, size = struct.unpack(">4sII", data[132 + 12 * i:144 + 12 * i])
+        if signature in (b"rTRC", b"gTRC", b"bTRC"):  # the three share one tag's bytes
+            data[offset:offset + size] = (b"curv" + bytes(4) + struct.pack(">IH", 1, round(gamma * 256))).ljust(size, b"\0")
+    return bytes(data)

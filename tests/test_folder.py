@@ -602,6 +602,44 @@ def test_an_embedded_colour_profile_is_applied_so_a_wide_gamut_cameras_files_rea
     np.testing.assert_array_equal(read_image(tmp_path / "malformed.png", 32, channels=3), read_image(tmp_path / "stored.png", 32, channels=3))
 
 
+def test_a_deep_colour_tiffs_embedded_profile_is_applied_as_its_eight_bit_copys_is(tmp_path):
+    """A 16-bit colour TIFF exported in a wide-gamut space (Lightroom's 16-bit TIFF export is ProPhoto) reads as the sRGB
+    original does, as its 8-bit copy with the same profile does (littlecms, through Pillow), for sRGB's parametric tone
+    curve and a pure gamma alike, with alpha too; a profile of no matrix/TRC kind, or a malformed one, leaves the samples
+    as stored. The float conversion agrees with littlecms' 8-bit one within a level of 255 on random colours."""
+    import tifffile
+    from PIL import ImageCms
+
+    from common.data.icc import matrix_shaper_to_srgb
+    from common.data.images import _srgb_transform
+    from tests.icc import gamma_profile, wide_gamut_profile
+
+    ramp = np.linspace(0, 255, 64)
+    original = Image.fromarray(np.stack([np.tile(ramp, (48, 1)), np.full((48, 64), 40.0), np.tile(ramp[::-1], (48, 1))], -1).astype(np.uint8))
+    original.save(tmp_path / "original.png")
+    want = read_image(tmp_path / "original.png", 32, channels=3)
+    colours = np.random.default_rng(0).integers(0, 256, size=(64, 64, 3)).astype(np.uint8)
+    for label, icc in (("adobe", wide_gamut_profile()), ("gamma", gamma_profile(1.8))):
+        to_wide = ImageCms.buildTransform(ImageCms.createProfile("sRGB"), ImageCms.ImageCmsProfile(io.BytesIO(icc)), "RGB", "RGB")
+        wide = np.asarray(ImageCms.applyTransform(original, to_wide)).astype(np.uint16) * 257  # its values as 16-bit samples
+        tifffile.imwrite(tmp_path / f"{label}.tif", wide, photometric="rgb", iccprofile=icc)
+        tifffile.imwrite(tmp_path / f"{label}-stored.tif", wide, photometric="rgb")
+        opaque = np.full((*wide.shape[:2], 1), 65535, np.uint16)
+        tifffile.imwrite(tmp_path / f"{label}-alpha.tif", np.concatenate([wide, opaque], -1), photometric="rgb", extrasamples=[2],
+                         iccprofile=icc)
+        for name in (f"{label}.tif", f"{label}-alpha.tif"):
+            assert np.abs(read_image(tmp_path / name, 32, channels=3, bit_depth=16) - want).max() < 0.02, name
+        assert np.abs(read_image(tmp_path / f"{label}-stored.tif", 32, channels=3, bit_depth=16) - want).max() > 0.1, label
+        littlecms = np.asarray(ImageCms.applyTransform(Image.fromarray(colours), _srgb_transform(icc, "RGB")), np.float64)
+        assert np.abs(matrix_shaper_to_srgb(colours / 255.0, icc) * 255 - littlecms).max() < 1.0, label
+    stored = read_image(tmp_path / "adobe-stored.tif", 32, channels=3, bit_depth=16)
+    wide = tifffile.imread(tmp_path / "adobe-stored.tif")
+    lab = ImageCms.ImageCmsProfile(ImageCms.createProfile("LAB")).tobytes()  # a profile of another colour space
+    for name, icc in (("lab.tif", lab), ("malformed.tif", b"not a profile" * 10)):
+        tifffile.imwrite(tmp_path / name, wide, photometric="rgb", iccprofile=icc)
+        np.testing.assert_array_equal(read_image(tmp_path / name, 32, channels=3, bit_depth=16), stored)
+
+
 def test_files_in_a_format_not_read_are_named_never_dropped_in_silence(tmp_path, caplog):
     """A class folder of a phone's HEIF photographs or a camera's raw files: the index names them (with what to convert
     them to), loading lists them as left out, and a class that gets no image for it is named; notes beside the images are

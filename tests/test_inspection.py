@@ -184,6 +184,24 @@ def test_an_lzw_deep_colour_tiff_is_fed_to_each_version_as_its_training_images_w
     assert old[0, 16, 16] < 0.1  # the high byte of 3000: nearly black
 
 
+def test_a_colour_managed_deep_tiff_is_fed_to_each_version_as_its_training_images_were_read():
+    """A deep colour TIFF's embedded profile is applied since decoding 9; a version recorded with decoding 8 was trained on
+    the stored samples, and is fed those."""
+    import tifffile
+
+    from common.data.images import DECODE_VERSION, DEEP_COLOUR_MANAGED_DECODE, decode_image_bytes
+    from tests.icc import wide_gamut_profile
+
+    red = np.zeros((32, 32, 3), np.uint16)
+    red[..., 0] = 50000
+    buf = io.BytesIO()
+    tifffile.imwrite(buf, red, photometric="rgb", iccprofile=wide_gamut_profile())
+    old = decode_image_bytes(buf.getvalue(), 32, 3, bit_depth=16, decoding=DEEP_COLOUR_MANAGED_DECODE - 1)
+    new = decode_image_bytes(buf.getvalue(), 32, 3, bit_depth=16, decoding=DECODE_VERSION)
+    assert old[:, 16, 16] == pytest.approx([50000 / 65535, 0.0, 0.0], abs=1e-6)
+    assert new[0, 16, 16] > old[0, 16, 16] + 0.05  # Adobe RGB's red is more saturated than sRGB's: clipped at sRGB's edge
+
+
 def test_a_colour_managed_file_is_fed_to_each_version_as_its_training_images_were_read():
     """Embedded colour profiles are applied since decoding 7; a version recorded with decoding 6 was trained on the stored
     values, and is fed those."""

@@ -69,6 +69,7 @@ from pathlib import Path
 import numpy as np
 
 from common.data import tiff
+from common.data.icc import matrix_shaper_to_srgb
 
 SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".jfif", ".jpe", ".bmp", ".dib", ".tif", ".tiff", ".webp", ".gif", ".pgm", ".ppm",
                       ".pbm", ".pnm", ".jp2", ".j2k", ".avif", ".tga"})
@@ -81,14 +82,16 @@ UNREAD_IMAGE_SUFFIXES = frozenset({".heic", ".heif", ".dng", ".cr2", ".cr3", ".n
 # changes what an encoded file decodes to. 2: large JPEGs decoded at a reduced scale (`JPEG_DRAFT`); 3: EXIF orientation
 # applied (`upright`); 4: line-scan strips folded (`fold_strip`); 5: transparency flattened onto white (`flatten_alpha`);
 # 6: colour TIFFs of more than 8 bits per sample read by tifffile (`common.data.tiff`); 7: embedded colour profiles applied
-# (`to_srgb`); 8: deep TIFFs of every compression (LZW, JPEG...) read by tifffile with imagecodecs (`common.data.tiff`).
-DECODE_VERSION = 8
+# (`to_srgb`); 8: deep TIFFs of every compression (LZW, JPEG...) read by tifffile with imagecodecs (`common.data.tiff`);
+# 9: deep colour TIFFs' embedded profiles applied too (`common.data.icc`).
+DECODE_VERSION = 9
 STRIP_FOLD = 2.5  # a frame this many times as long as it is wide, or more, is folded into a mosaic (`fold_strip`)
 FOLDING_DECODE = 4  # the first decoding that folds strips: a model version recorded with an older one is fed them unfolded
 FLATTENING_DECODE = 5  # the first that flattens transparency: an older version is fed the colour under transparent pixels
 DEEP_COLOUR_DECODE = 6  # the first that reads deep colour TIFFs by tifffile: an older version is fed Pillow's 8-bit reading
 COLOUR_MANAGED_DECODE = 7  # the first that applies embedded colour profiles: an older version is fed the stored values
 TIFF_CODECS_DECODE = 8  # the first that decodes deep TIFFs of every codec: an older version is fed Pillow's reading of an LZW one
+DEEP_COLOUR_MANAGED_DECODE = 9  # the first that applies a deep colour TIFF's profile: an older version is fed its stored values
 ICC_MODES = {"RGB": "RGB", "RGBA": "RGBA"}  # modes whose embedded profile is applied, and the mode they become
 DEEP_PNG_RAWMODES = frozenset({"RGB;16B", "RGBA;16B", "LA;16B"})  # 16-bit colour (and grey + alpha) PNGs, read by Pillow's high byte
 ALPHA_BACKGROUND = (255, 255, 255)  # what transparent pixels show (`flatten_alpha`)
@@ -116,6 +119,11 @@ def flattens(decoding: int) -> bool:
 def manages_colour(decoding: int) -> bool:
     """Whether images read for a model trained at ``decoding`` have their embedded colour profile applied (`to_srgb`)."""
     return decoding >= COLOUR_MANAGED_DECODE
+
+
+def manages_deep_colour(decoding: int) -> bool:
+    """Whether images read for a model trained at ``decoding`` have a deep colour TIFF's profile applied (`common.data.icc`)."""
+    return decoding >= DEEP_COLOUR_MANAGED_DECODE
 
 
 def reads_every_tiff_codec(decoding: int) -> bool:
@@ -380,8 +388,11 @@ def _decode(source: object, size: int, channels: int, name: str, bit_depth: int,
                 deep = tiff.read_deep_colour(source, too_large, reads_every_tiff_codec(decoding))  # type: ignore[arg-type]
                 if deep is not None:
                     kind = "colour" if deep.colours == 3 else "grey"
-                    rgb = unit_range(deep.samples, deep.floating, bit_depth, f"float {kind} TIFF" if deep.floating else f"{kind} TIFF")
-                    return deep_colour_to_array(deep.flattened(rgb), deep.orientation, size, channels, decoding)
+                    unit = unit_range(deep.samples, deep.floating, bit_depth, f"float {kind} TIFF" if deep.floating else f"{kind} TIFF")
+                    srgb = matrix_shaper_to_srgb(unit[..., :3], deep.icc) if deep.icc and manages_deep_colour(decoding) else None
+                    if srgb is not None:  # its profile applied (a profile of another kind: the samples as stored, as `to_srgb`)
+                        unit = np.concatenate([srgb, unit[..., 3:]], axis=-1)
+                    return deep_colour_to_array(deep.flattened(unit), deep.orientation, size, channels, decoding)
             except (tiff.DeepColourError, ImageError) as exc:
                 raise ImageError(f"{name}: {exc}") from exc
         with Image.open(source) as img:  # type: ignore[arg-type,attr-defined]

@@ -17,7 +17,8 @@ it cannot decode is refused naming why, never handed to Pillow, which would misr
 
 Here the samples are read as numbers and scaled as grey images of more bits are (`common.data.images`): unsigned
 integers by ``2**bit_depth - 1``, floats taken as they are within [0, 1], anything else refused naming the file. An
-alpha channel (``ExtraSamples`` 1 or 2) is composited onto white, as `common.data.images.flatten_alpha` does.
+alpha channel (``ExtraSamples`` 1 or 2) is composited onto white, as `common.data.images.flatten_alpha` does, after the
+colours are converted to sRGB by an embedded profile (`common.data.icc`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class DeepColour:
     alpha: int  # ASSOCIATED_ALPHA, UNASSOCIATED_ALPHA, or 0: no alpha channel
     orientation: int  # the Orientation tag (1-8; 1 when absent)
     colours: int = 3  # 3: R, G, B; 1: grey
+    icc: bytes = b""  # an RGB page's embedded colour profile (InterColorProfile), b"" when it has none
 
     def flattened(self, unit: np.ndarray) -> np.ndarray:
         """The scaled samples ``unit`` (H, W, S) in [0, 1] as RGB (grey as three equal channels), an alpha channel
@@ -96,6 +98,18 @@ def _decoded(page: object, kind: str) -> np.ndarray:
                               f"{exc}{advice}") from exc
 
 
+def _profile(page: object) -> bytes:
+    """A page's embedded colour profile (the InterColorProfile tag, UNDEFINED as the TIFF spec says, or BYTE as some writers
+    store it), b"" when it has none or one of no byte type."""
+    tag = page.tags.get("InterColorProfile")  # type: ignore[attr-defined]
+    value = tag.value if tag is not None else None
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if isinstance(value, (tuple, np.ndarray)) and np.asarray(value).dtype.kind in "ui":
+        return np.asarray(value).astype(np.uint8).tobytes()
+    return b""
+
+
 def read_deep_colour(source: Path | io.BytesIO, too_large: Callable[[int, int], str | None],
                      every_codec: bool = True) -> DeepColour | None:
     """The first page of a colour TIFF of more than 8 bits per sample, or of a grey TIFF Pillow cannot open (the module
@@ -123,6 +137,7 @@ def read_deep_colour(source: Path | io.BytesIO, too_large: Callable[[int, int], 
             if error:
                 raise DeepColourError(error)
             data = _decoded(page, kind)
+            icc = _profile(page) if colours == 3 else b""
             orientation_tag = page.tags.get("Orientation")
             orientation = int(orientation_tag.value) if orientation_tag is not None else 1
             extra = tuple(page.extrasamples)
@@ -144,4 +159,4 @@ def read_deep_colour(source: Path | io.BytesIO, too_large: Callable[[int, int], 
     if data.ndim != 3:
         raise DeepColourError(f"{kind} TIFF page of shape {data.shape}; expected height x width x samples")
     alpha = extra[0] if extra and extra[0] in (ASSOCIATED_ALPHA, UNASSOCIATED_ALPHA) and data.shape[-1] > colours else 0
-    return DeepColour(np.asarray(data, dtype=np.float64), sample_format == FLOAT_SAMPLES, alpha, orientation, colours)
+    return DeepColour(np.asarray(data, dtype=np.float64), sample_format == FLOAT_SAMPLES, alpha, orientation, colours, icc)
