@@ -123,11 +123,20 @@ def parse_matrix_shaper(data: bytes) -> MatrixShaper | None:
 
 
 @functools.lru_cache(maxsize=1)
-def _srgb() -> MatrixShaper:
-    """littlecms' own sRGB profile (what `common.data.images.to_srgb` converts to), as a matrix/TRC model."""
+def srgb_profile() -> object:
+    """littlecms' own sRGB profile: what every embedded profile is converted to, by littlecms (8-bit images,
+    `common.data.images.to_srgb`) and here."""
     from PIL import ImageCms
 
-    model = parse_matrix_shaper(ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes())
+    return ImageCms.createProfile("sRGB")
+
+
+@functools.lru_cache(maxsize=1)
+def _srgb() -> MatrixShaper:
+    """`srgb_profile` as a matrix/TRC model."""
+    from PIL import ImageCms
+
+    model = parse_matrix_shaper(ImageCms.ImageCmsProfile(srgb_profile()).tobytes())
     assert model is not None, "littlecms' sRGB profile is a matrix/TRC profile"
     return model
 
@@ -139,11 +148,6 @@ def _conversion(icc: bytes) -> tuple[MatrixShaper, np.ndarray] | None:
     if source is None:
         return None
     return source, np.linalg.solve(_srgb().matrix, source.matrix)
-
-
-def convertible(icc: bytes) -> bool:
-    """Whether `matrix_shaper_to_srgb` converts samples by ``icc`` (a matrix/TRC RGB profile)."""
-    return _conversion(icc) is not None
 
 
 def matrix_shaper_to_srgb(rgb: np.ndarray, icc: bytes) -> np.ndarray | None:

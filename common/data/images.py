@@ -69,7 +69,7 @@ from pathlib import Path
 import numpy as np
 
 from common.data import tiff
-from common.data.icc import matrix_shaper_to_srgb
+from common.data.icc import matrix_shaper_to_srgb, srgb_profile
 
 SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".jfif", ".jpe", ".bmp", ".dib", ".tif", ".tiff", ".webp", ".gif", ".pgm", ".ppm",
                       ".pbm", ".pnm", ".jp2", ".j2k", ".avif", ".tga"})
@@ -230,17 +230,10 @@ def _srgb_transform(icc: bytes, mode: str) -> object | None:
 
     try:
         source = ImageCms.ImageCmsProfile(io.BytesIO(icc))
-        return ImageCms.buildTransform(source, _srgb_profile(), mode, ICC_MODES[mode], ImageCms.Intent.RELATIVE_COLORIMETRIC,
+        return ImageCms.buildTransform(source, srgb_profile(), mode, ICC_MODES[mode], ImageCms.Intent.RELATIVE_COLORIMETRIC,
                                        flags=ImageCms.Flags.NOCACHE)
     except (ImageCms.PyCMSError, OSError, ValueError, TypeError):
         return None
-
-
-@functools.lru_cache(maxsize=1)
-def _srgb_profile() -> object:
-    from PIL import ImageCms
-
-    return ImageCms.createProfile("sRGB")
 
 
 def flatten_alpha(img: object) -> object:
@@ -387,8 +380,8 @@ def _decode(source: object, size: int, channels: int, name: str, bit_depth: int,
                 too_large = functools.partial(pixel_limit_error, deep=True, max_pixels=max_pixels)
                 deep = tiff.read_deep_colour(source, too_large, reads_every_tiff_codec(decoding))  # type: ignore[arg-type]
                 if deep is not None:
-                    kind = "colour" if deep.colours == 3 else "grey"
-                    unit = unit_range(deep.samples, deep.floating, bit_depth, f"float {kind} TIFF" if deep.floating else f"{kind} TIFF")
+                    what = f"float {deep.kind} TIFF" if deep.floating else f"{deep.kind} TIFF"
+                    unit = unit_range(deep.samples, deep.floating, bit_depth, what)
                     srgb = matrix_shaper_to_srgb(unit[..., :3], deep.icc) if deep.icc and manages_deep_colour(decoding) else None
                     if srgb is not None:  # its profile applied (a profile of another kind: the samples as stored, as `to_srgb`)
                         unit = np.concatenate([srgb, unit[..., 3:]], axis=-1)

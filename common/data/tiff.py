@@ -35,6 +35,7 @@ MIN_IS_BLACK, RGB_PHOTOMETRIC = 1, 2
 SEPARATE_PLANES = 2
 FLOAT_SAMPLES, UNSIGNED_SAMPLES = 3, 1
 ASSOCIATED_ALPHA, UNASSOCIATED_ALPHA = 1, 2  # TIFF ExtraSamples: premultiplied, straight
+KINDS = {3: "colour", 1: "grey"}  # a page's kind by its colour samples, as messages name it
 # Compression tags tifffile decodes without imagecodecs: none, Adobe Deflate, Deflate, PackBits, LZMA. A model recorded with
 # a decoding from before every codec was read (`common.data.images.TIFF_CODECS_DECODE`) was fed Pillow's reading of the rest.
 BUILTIN_COMPRESSIONS = frozenset({1, 8, 32946, 32773, 34925})
@@ -55,6 +56,10 @@ class DeepColour:
     orientation: int  # the Orientation tag (1-8; 1 when absent)
     colours: int = 3  # 3: R, G, B; 1: grey
     icc: bytes = b""  # an RGB page's embedded colour profile (InterColorProfile), b"" when it has none
+
+    @property
+    def kind(self) -> str:
+        return KINDS[self.colours]
 
     def flattened(self, unit: np.ndarray) -> np.ndarray:
         """The scaled samples ``unit`` (H, W, S) in [0, 1] as RGB (grey as three equal channels), an alpha channel
@@ -129,7 +134,7 @@ def read_deep_colour(source: Path | io.BytesIO, too_large: Callable[[int, int], 
             if not _read_here(int(page.photometric), page.samplesperpixel, page.bitspersample, int(page.sampleformat)):
                 return None
             colours = 3 if page.photometric == RGB_PHOTOMETRIC else 1
-            kind = "colour" if colours == 3 else "grey"
+            kind = KINDS[colours]
             compression = int(page.compression)
             if not every_codec and compression not in BUILTIN_COMPRESSIONS:
                 return None
